@@ -1,0 +1,32 @@
+"""Test set-up: two logical CPU devices (for real 2-replica strategies) and a clean policy."""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+# Must happen before TensorFlow initializes its runtime, i.e. before any test runs an op.
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _reset_policy():
+    """Every test starts and ends under float32 with fresh Keras state."""
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_dtype_policy("float32")
+    keras.backend.clear_session()
+
+
+@pytest.fixture
+def mirrored():
+    """A real MirroredStrategy over the two logical CPU devices."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -1,0 +1,81 @@
+import json
+
+import pytest
+import tensorflow as tf
+
+from tfmp import distribute
+from tfmp.errors import UsageError
+
+
+def test_default_and_one_device_never_none():
+    default = distribute.get_strategy("default")
+    assert default is tf.distribute.get_strategy()
+    assert default.num_replicas_in_sync == 1
+    one = distribute.get_strategy("one_device")
+    assert isinstance(one, tf.distribute.OneDeviceStrategy)
+    assert distribute.strategy_name(one) == "one_device"
+
+
+def test_auto_on_cpu_is_default():
+    assert distribute.strategy_name(distribute.get_strategy("auto")) == "default"
+
+
+def test_mirrored_over_logical_cpus():
+    strategy = distribute.get_strategy("mirrored")
+    assert strategy.num_replicas_in_sync == 2
+    assert distribute.strategy_name(strategy) == "mirrored"
+    assert distribute.is_chief(strategy)
+
+
+def test_tpu_missing_is_one_clear_error():
+    with pytest.raises(UsageError) as e:
+        distribute.get_strategy("tpu", tpu="local")
+    message = str(e.value)
+    assert "no TPU found" in message and "--tpu=local" in message and "\n" not in message
+
+
+def test_multi_worker_needs_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(UsageError, match="TF_CONFIG"):
+        distribute.get_strategy("multi_worker")
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        distribute.get_strategy("multi_worker")
+
+
+def test_tf_config_workers(monkeypatch):
+    cluster = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cluster))
+    assert distribute._tf_config_workers() == 2
+
+
+def test_unknown_strategy():
+    with pytest.raises(UsageError, match="'gpus'.*auto, default, one_device, mirrored, multi_worker, tpu"):
+        distribute.get_strategy("gpus")
+
+
+def test_batch_plan_splits_and_scales():
+    plan = distribute.plan_batch(256, 2, 0.1, "linear", base_batch=128)
+    assert (plan.per_replica, plan.effective_batch) == (128, 256)
+    assert plan.learning_rate == pytest.approx(0.2)
+    plan = distribute.plan_batch(256, 4, 0.1, "sqrt", base_batch=64, grad_accum_steps=4)
+    assert plan.effective_batch == 1024
+    assert plan.learning_rate == pytest.approx(0.4)
+    assert distribute.plan_batch(64, 1, 0.1).learning_rate == pytest.approx(0.1)
+    table = plan.table()
+    assert "per-replica batch           64" in table and "effective batch per update  1024" in table
+
+
+def test_batch_that_does_not_divide_quotes_both_numbers():
+    with pytest.raises(UsageError, match="global batch size 127 does not divide by the 2 replicas.*126 or 128"):
+        distribute.plan_batch(127, 2, 0.1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"global_batch": 0, "replicas": 1, "learning_rate": 0.1}, "batch size must be >= 1"),
+    ({"global_batch": 8, "replicas": 1, "learning_rate": 0.1, "lr_scaling": "cubic"}, "'cubic'.*none, linear, sqrt"),
+    ({"global_batch": 8, "replicas": 1, "learning_rate": 0.1, "grad_accum_steps": 0}, "accumulation"),
+])
+def test_bad_batch_settings(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        distribute.plan_batch(**kwargs)

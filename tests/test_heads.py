@@ -1,0 +1,47 @@
+import keras
+import numpy as np
+import pytest
+
+import tfmp
+
+
+@pytest.mark.parametrize("policy, compute", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16"), ("float32", "float32")])
+def test_head_logits_in_policy_softmax_in_float32(policy, compute):
+    keras.config.set_dtype_policy(policy)
+    inputs = keras.Input((8,))
+    head = tfmp.classification_head(3, name="head")
+    model = keras.Model(inputs, head(keras.layers.Dense(4)(inputs)))
+    assert head.logits.compute_dtype == compute
+    assert head.logits.kernel.dtype == "float32"
+    assert head.softmax.compute_dtype == "float32"
+    probs = model(np.random.rand(5, 8).astype("float32"))
+    assert probs.dtype == "float32"
+    np.testing.assert_allclose(np.sum(probs, axis=-1), 1.0, rtol=1e-6)
+    assert tfmp.audit(model) == []
+
+
+def test_audit_finds_low_precision_output_and_softmax():
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    probs = keras.layers.Dense(3, activation="softmax", name="bad_probs")(inputs)
+    logits = keras.layers.Dense(2, name="logits16")(inputs)
+    problems = tfmp.audit(keras.Model(inputs, [probs, logits]))
+    assert any("bad_probs" in p and "float16, not float32" in p for p in problems)
+    assert any("bad_probs computes softmax in float16" in p for p in problems)
+    assert any("logits16" in p for p in problems)
+    assert len(problems) == 3
+
+
+def test_audit_finds_sigmoid_cast_to_float32_after_the_fact():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(1, activation="sigmoid", name="sig")(inputs)
+    model = keras.Sequential([inputs, keras.layers.Dense(1, activation="sigmoid", name="sig2")])
+    problems = tfmp.audit(model)
+    assert any("sig2 computes sigmoid in bfloat16" in p for p in problems)
+    del x
+
+
+def test_head_rejects_one_class():
+    with pytest.raises(ValueError, match="num_classes must be >= 2"):
+        tfmp.classification_head(1)

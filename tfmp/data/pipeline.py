@@ -1,0 +1,92 @@
+"""Turn a source's examples into batched, prefetched (inputs, label) datasets."""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from tfmp.data import sources
+
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+@dataclasses.dataclass
+class Data:
+    """Batched datasets and what a model needs to know about them.
+
+    Attributes:
+        source: the `sources.Source` description.
+        train: (inputs, label) batches at the global batch size, shuffled, repeated
+            when `repeat` was asked.
+        test: (inputs, label) batches at the global batch size, in order.
+        vectorizer: for text, the adapted `TextVectorization` layer (keep it with the
+            model to accept raw strings); None for images.
+    """
+
+    source: sources.Source
+    train: tf.data.Dataset
+    test: tf.data.Dataset
+    vectorizer: keras.layers.TextVectorization | None = None
+
+
+def _augment(image, seed):
+    """Random 4-pixel-padded crop and horizontal flip, for 32x32 colour images."""
+    height, width, channels = image.shape
+    padded = tf.image.pad_to_bounding_box(image, 4, 4, height + 8, width + 8)
+    seeds = tf.random.experimental.stateless_split(seed, 2)
+    image = tf.image.stateless_random_crop(padded, (height, width, channels), seed=seeds[0])
+    return tf.image.stateless_random_flip_left_right(image, seed=seeds[1])
+
+
+def make_vectorizer(texts, vocab_size, sequence_length):
+    """A `TextVectorization` adapted on `texts` (a dataset of strings)."""
+    vectorizer = keras.layers.TextVectorization(
+        max_tokens=vocab_size, output_sequence_length=sequence_length, name="vectorizer"
+    )
+    vectorizer.adapt(texts.batch(1024))
+    return vectorizer
+
+
+def build(source, train, test, global_batch, seed=0, augment=False, repeat=False,
+          drop_remainder=False, vocab_size=20000, sequence_length=64):
+    """Builds the input pipeline for one dataset.
+
+    Args:
+        source, train, test: what `sources.load_source` returned.
+        global_batch: the batch size summed over all replicas.
+        seed: the shuffle and augmentation seed.
+        augment: random crop and flip (meant for 32x32 colour data).
+        repeat: repeat the training data without end (steps_per_epoch sets epochs).
+        drop_remainder: static batch shapes, which TPUs need.
+        vocab_size, sequence_length: for text, the vectorizer's settings.
+
+    Returns:
+        A `Data`.
+    """
+    feature, vectorizer = source.feature, None
+    if source.kind == "image":
+
+        def to_inputs(ex):
+            return tf.cast(ex[feature], tf.float32) / 255.0  # The model casts to the policy.
+    else:
+        vectorizer = make_vectorizer(train.map(lambda ex: ex[feature]), vocab_size, sequence_length)
+
+        def to_inputs(ex):
+            # One string at a time as a batch of one: the padded length stays static.
+            return vectorizer(ex[feature][None])[0]
+
+    def prepare(ds):
+        return ds.map(lambda ex: (to_inputs(ex), ex["label"]), num_parallel_calls=AUTOTUNE)
+
+    train, test = prepare(train).cache(), prepare(test).cache()
+    buffer = min(source.train_size or 10_000, 10_000)
+    train = train.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+    if repeat:
+        train = train.repeat()
+    if augment and source.kind == "image":
+        train = tf.data.Dataset.zip((train, tf.data.Dataset.random(seed=seed).batch(2))).map(
+            lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE
+        )
+    train = train.batch(global_batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
+    test = test.batch(global_batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
+    return Data(source, train, test, vectorizer)

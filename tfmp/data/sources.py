@@ -1,0 +1,183 @@
+"""Where examples come from: the samples shipped in the repo, TFDS, or random data.
+
+Every source gives unbatched `tf.data.Dataset`s of `{feature: value, "label": int}`
+dicts, plus a `Source` describing them, so one pipeline serves all of them.
+"""
+
+import dataclasses
+import gzip
+import os
+import pathlib
+
+import numpy as np
+import tensorflow as tf
+
+from tfmp.errors import UsageError
+
+SAMPLES_DIR = pathlib.Path(__file__).parent / "samples"
+SHIPPED = {
+    "digits": "real MNIST digits shipped in the repo (8000 train / 1000 test, 28x28x1)",
+    "sentiment": "real SST-2 sentences shipped in the repo (67349 train / 872 validation)",
+}
+SYNTHETIC = "synthetic"
+_IMAGE_KEYS = ("image",)
+_TEXT_KEYS = ("text", "sentence", "description", "review", "content", "title", "document")
+_LABEL_KEYS = ("label", "labels", "sentiment")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What a dataset holds.
+
+    Attributes:
+        name: the dataset name as the user gave it.
+        kind: "image" or "text".
+        feature: the key of the input feature in each example.
+        num_classes: number of label classes.
+        image_shape: (height, width, channels) for images, else None.
+        train_size: number of training examples, when known.
+        test_split: the name of the split used for evaluation.
+    """
+
+    name: str
+    kind: str
+    feature: str
+    num_classes: int
+    image_shape: tuple | None = None
+    train_size: int | None = None
+    test_split: str = "test"
+
+
+def _digits():
+    arrays = np.load(SAMPLES_DIR / "digits.npz")
+
+    def split(name):
+        return tf.data.Dataset.from_tensor_slices(
+            {"image": arrays[f"{name}_image"], "label": arrays[f"{name}_label"].astype(np.int64)}
+        )
+
+    source = Source("digits", "image", "image", 10, (28, 28, 1), len(arrays["train_label"]))
+    return source, split("train"), split("test")
+
+
+def _sentiment():
+    def split(name):
+        with gzip.open(SAMPLES_DIR / f"sentiment_{name}.tsv.gz", "rt", encoding="utf-8") as f:
+            next(f)  # Header.
+            labels, sentences = zip(*(line.rstrip("\n").split("\t", 1) for line in f))
+        labels = np.array(labels, dtype=np.int64)
+        return tf.data.Dataset.from_tensor_slices({"sentence": list(sentences), "label": labels}), len(labels)
+
+    (train, n), (test, _) = split("train"), split("validation")
+    return Source("sentiment", "text", "sentence", 2, None, n, "validation"), train, test
+
+
+def synthetic(kind, num_examples=512, image_shape=(28, 28, 1), num_classes=10, seed=0):
+    """Random data of the right shape and type, for smoke runs and benchmarks.
+
+    Labels are a fixed function of the input, so a model can fit them.
+    """
+    rng = np.random.default_rng(seed)
+    if kind == "image":
+        images = rng.integers(0, 256, size=(num_examples, *image_shape), dtype=np.uint8)
+        labels = images.reshape(num_examples, -1)[:, :16].sum(axis=1) % num_classes
+        source = Source(SYNTHETIC, "image", "image", num_classes, tuple(image_shape), num_examples)
+        feature = {"image": images}
+    else:
+        words = np.array([f"w{i}" for i in range(200)])
+        tokens = rng.integers(0, len(words), size=(num_examples, 12))
+        labels = tokens[:, 0] % num_classes
+        feature = {"text": [" ".join(words[t]) for t in tokens]}
+        source = Source(SYNTHETIC, "text", "text", num_classes, None, num_examples)
+    ds = tf.data.Dataset.from_tensor_slices({**feature, "label": labels.astype(np.int64)})
+    cut = num_examples * 7 // 8
+    return source, ds.take(cut), ds.skip(cut)
+
+
+def _find_key(features, wanted, name, what):
+    for key in wanted:
+        if key in features:
+            return key
+    raise UsageError(
+        f"dataset {name!r} has no {what} feature (looked for {', '.join(wanted)}; it has "
+        f"{', '.join(features) or 'none'}); tfmp trains image or text classifiers"
+    )
+
+
+def _tfds_builder(name, data_dir):
+    import tensorflow_datasets as tfds  # Imported here: costly, and only TFDS runs need it.
+
+    if os.path.isdir(name):
+        try:
+            return tfds.builder_from_directory(name)
+        except Exception as e:  # noqa: BLE001 - TFDS raises many types; all mean "not a dataset".
+            raise UsageError(f"{name!r} is not a prepared TFDS dataset directory ({e})") from e
+    try:
+        builder = tfds.builder(name, data_dir=data_dir)
+    except Exception as e:  # noqa: BLE001
+        raise UsageError(
+            f"unknown dataset {name!r} (not shipped, not a TFDS name, not prepared in "
+            f"--data_dir={data_dir or '~/tensorflow_datasets'}); shipped: "
+            f"{', '.join([*SHIPPED, SYNTHETIC])}"
+        ) from e
+    if not builder.info.splits:
+        try:
+            builder.download_and_prepare()
+        except Exception as e:  # noqa: BLE001 - offline machines fail in many ways.
+            raise UsageError(
+                f"dataset {name!r} is not prepared in {builder.data_dir} and could not be "
+                f"downloaded ({type(e).__name__}); prepare it on a machine with internet "
+                "(python -c \"import tensorflow_datasets as tfds; tfds.load('"
+                f"{name}')\") and pass that directory as --data_dir"
+            ) from e
+    return builder
+
+
+def _tfds(name, data_dir):
+    import tensorflow_datasets as tfds
+
+    builder = _tfds_builder(name, data_dir)
+    features = builder.info.features
+    label = _find_key(features, _LABEL_KEYS, name, "label")
+    num_classes = features[label].num_classes
+    if any(k in features for k in _IMAGE_KEYS):
+        feature = _find_key(features, _IMAGE_KEYS, name, "image")
+        kind, shape = "image", tuple(features[feature].shape)
+    else:
+        feature = _find_key(features, _TEXT_KEYS, name, "image or text")
+        kind, shape = "text", None
+    splits = builder.info.splits
+    test_split = next((s for s in ("test", "validation") if s in splits), None)
+    if "train" not in splits or test_split is None:
+        raise UsageError(f"dataset {name!r} needs a train split and a test or validation split; it has {', '.join(splits)}")
+
+    def read(split):
+        ds = builder.as_dataset(split=split, read_config=tfds.ReadConfig(shuffle_seed=0))
+        return ds.map(lambda ex: {feature: ex[feature], "label": ex[label]})
+
+    source = Source(name, kind, feature, num_classes, shape, splits["train"].num_examples, test_split)
+    return source, read("train"), read(test_split)
+
+
+def load_source(name, data_dir=None, kind="image"):
+    """Opens a dataset by name.
+
+    Args:
+        name: `digits` or `sentiment` (shipped), `synthetic`, a TFDS name (`mnist`,
+            `cifar10`, `imdb_reviews`, `glue/sst2`, ...), or a prepared TFDS directory.
+        data_dir: where TFDS looks for prepared data.
+        kind: for `synthetic`: "image" or "text".
+
+    Returns:
+        (Source, train dataset, test dataset), unbatched dict examples.
+
+    Raises:
+        UsageError: for an unknown, unprepared or unsuitable dataset.
+    """
+    if name == "digits":
+        return _digits()
+    if name == "sentiment":
+        return _sentiment()
+    if name == SYNTHETIC:
+        return synthetic(kind)
+    return _tfds(name, data_dir)

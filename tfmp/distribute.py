@@ -1,0 +1,221 @@
+"""Pick a tf.distribute strategy, and split a global batch and learning rate across it."""
+
+import dataclasses
+import json
+import math
+import os
+
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError
+
+STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+def _tf_config_workers():
+    """Number of workers (chief included) that TF_CONFIG names; 0 without TF_CONFIG."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return 0
+    try:
+        cluster = json.loads(raw).get("cluster", {})
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise UsageError(f"TF_CONFIG is not valid JSON ({e}); see BUILD.md for its form") from e
+    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def _tpu_strategy(tpu):
+    address = tpu or "local"
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+        if address not in ("local", ""):
+            tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--strategy=tpu: no TPU found at tpu={address!r} ({first}); on a Colab or Cloud "
+            "TPU VM use --tpu=local, else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"
+        ) from e
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _mirrored_strategy():
+    gpus = tf.config.list_logical_devices("GPU")
+    cpus = tf.config.list_logical_devices("CPU")
+    if gpus:
+        devices = [d.name for d in gpus]
+    elif len(cpus) > 1:  # Logical CPU devices: how tests exercise a real 2-replica setup.
+        devices = [d.name for d in cpus]
+    else:
+        raise UsageError(
+            "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
+            "none; use --strategy=default on one CPU"
+        )
+    return tf.distribute.MirroredStrategy(devices)
+
+
+def get_strategy(name="auto", tpu=None):
+    """Returns a `tf.distribute.Strategy`; never None.
+
+    Args:
+        name: `auto` (TF_CONFIG with several workers -> multi_worker; else a TPU ->
+            tpu; else 2+ GPUs -> mirrored; else 1 GPU -> one_device; else default),
+            `default`, `one_device`, `mirrored`, `multi_worker` (from TF_CONFIG), `tpu`.
+        tpu: for `tpu` (and `auto`): "local" for a Colab or Cloud TPU VM, or a TPU
+            name or grpc:// address.
+
+    Raises:
+        UsageError: for an unknown name, or a strategy whose hardware is missing.
+    """
+    if name not in STRATEGIES:
+        raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    if name == "auto":
+        if _tf_config_workers() > 1:
+            name = "multi_worker"
+        elif tpu or tf.config.list_logical_devices("TPU"):
+            name = "tpu"
+        elif len(tf.config.list_logical_devices("GPU")) > 1:
+            name = "mirrored"
+        elif tf.config.list_logical_devices("GPU"):
+            name = "one_device"
+        else:
+            name = "default"
+        logging.info("Strategy auto -> %s", name)
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "one_device":
+        gpus = tf.config.list_logical_devices("GPU")
+        return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
+    if name == "mirrored":
+        return _mirrored_strategy()
+    if name == "multi_worker":
+        if not _tf_config_workers():
+            raise UsageError(
+                "--strategy=multi_worker needs TF_CONFIG naming the cluster and this "
+                "worker's task; see BUILD.md 'Several machines'"
+            )
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return _tpu_strategy(tpu)
+
+
+def strategy_name(strategy):
+    """A short name for a strategy object, for summaries and metrics."""
+    return {
+        "_DefaultDistributionStrategy": "default",
+        "OneDeviceStrategy": "one_device",
+        "MirroredStrategy": "mirrored",
+        "MultiWorkerMirroredStrategy": "multi_worker",
+        "CollectiveAllReduceStrategy": "multi_worker",
+        "TPUStrategy": "tpu",
+    }.get(type(strategy).__name__, type(strategy).__name__)
+
+
+def is_chief(strategy):
+    """Whether this process should write checkpoints, logs and metrics."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None or not resolver.cluster_spec().as_dict():
+        return True
+    task_type, task_id = resolver.task_type, resolver.task_id
+    has_chief = "chief" in resolver.cluster_spec().as_dict()
+    return task_type == "chief" or (not has_chief and task_type == "worker" and task_id == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How one optimizer step's examples and learning rate split across replicas.
+
+    Attributes:
+        global_batch: examples per replica step, summed over all replicas.
+        replicas: number of replicas in sync.
+        per_replica: global_batch // replicas.
+        workers: number of worker processes (hosts).
+        per_worker: examples each worker's input pipeline yields per step.
+        grad_accum_steps: micro-steps accumulated before each optimizer update.
+        effective_batch: examples per optimizer update (global_batch * grad_accum_steps).
+        base_learning_rate: the learning rate given for `base_batch`.
+        base_batch: the batch size the base learning rate was tuned for.
+        lr_scaling: `none`, `linear` or `sqrt`.
+        learning_rate: the scaled learning rate used.
+    """
+
+    global_batch: int
+    replicas: int
+    per_replica: int
+    workers: int
+    per_worker: int
+    grad_accum_steps: int
+    effective_batch: int
+    base_learning_rate: float
+    base_batch: int
+    lr_scaling: str
+    learning_rate: float
+
+    def table(self):
+        """A small aligned text table, for logs."""
+        rows = [
+            ("replicas", self.replicas),
+            ("workers (hosts)", self.workers),
+            ("per-replica batch", self.per_replica),
+            ("per-worker batch", self.per_worker),
+            ("global batch", self.global_batch),
+            ("grad accumulation steps", self.grad_accum_steps),
+            ("effective batch per update", self.effective_batch),
+            ("learning rate", f"{self.learning_rate:.6g} ({self.lr_scaling} scaling of "
+             f"{self.base_learning_rate:g} at batch {self.base_batch})"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def plan_batch(global_batch, replicas, learning_rate, lr_scaling="none", base_batch=None,
+               grad_accum_steps=1, workers=1):
+    """Checks the global batch against the replica count and scales the learning rate.
+
+    Args:
+        global_batch: examples per step over all replicas.
+        replicas: `strategy.num_replicas_in_sync`.
+        learning_rate: the base learning rate, tuned for `base_batch`.
+        lr_scaling: `none`; `linear` (lr * effective/base); `sqrt` (lr * sqrt(effective/base)).
+        base_batch: the batch size `learning_rate` was tuned for; defaults to the
+            effective batch, i.e. no change.
+        grad_accum_steps: micro-batches accumulated per update.
+        workers: worker processes in the cluster.
+
+    Returns:
+        A `BatchPlan`.
+
+    Raises:
+        UsageError: for a non-positive batch, a batch that does not divide by the
+            replica count, or an unknown scaling rule.
+    """
+    if lr_scaling not in LR_SCALING:
+        raise UsageError(f"unknown lr scaling {lr_scaling!r}; choose one of {', '.join(LR_SCALING)}")
+    if global_batch < 1:
+        raise UsageError(f"batch size must be >= 1, got {global_batch}")
+    if grad_accum_steps < 1:
+        raise UsageError(f"grad accumulation steps must be >= 1, got {grad_accum_steps}")
+    if global_batch % replicas:
+        lower, upper = global_batch // replicas * replicas, (global_batch // replicas + 1) * replicas
+        raise UsageError(
+            f"global batch size {global_batch} does not divide by the {replicas} replicas; "
+            f"use a multiple of {replicas} such as {lower or upper} or {upper}"
+        )
+    effective = global_batch * grad_accum_steps
+    base = base_batch or effective
+    ratio = {"none": 1.0, "linear": effective / base, "sqrt": math.sqrt(effective / base)}[lr_scaling]
+    return BatchPlan(
+        global_batch=global_batch,
+        replicas=replicas,
+        per_replica=global_batch // replicas,
+        workers=workers,
+        per_worker=global_batch // workers,
+        grad_accum_steps=grad_accum_steps,
+        effective_batch=effective,
+        base_learning_rate=learning_rate,
+        base_batch=base,
+        lr_scaling=lr_scaling,
+        learning_rate=learning_rate * ratio,
+    )

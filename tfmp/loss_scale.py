@@ -1,0 +1,105 @@
+"""Dynamic loss scaling for mixed_float16 that skips a step on every replica or on none."""
+
+import keras
+import tensorflow as tf
+from absl import logging
+from keras import ops
+
+from tfmp import precision
+from tfmp.errors import UsageError
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A Keras `LossScaleOptimizer` whose overflow check is global across replicas.
+
+    Keras 3's own wrapper, under a `tf.distribute` strategy that uses merge calls, reads
+    the "all gradients finite" flag from replica 0 only; under one that does not (XLA on
+    GPUs), each replica decides alone. Either way an overflow on another replica reaches
+    the weights as NaN. Here every replica counts its non-finite gradients, the counts are
+    summed across replicas, and the step is applied (or skipped, halving the scale) on
+    all replicas from that one sum.
+
+    Args:
+        inner_optimizer: the Keras optimizer that applies the unscaled gradients.
+        initial_scale: the starting loss scale.
+        dynamic_growth_steps: finite steps in a row after which the scale doubles.
+
+    Example:
+        >>> opt = LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2**15)
+    """
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        replica_ctx = tf.distribute.get_replica_context()
+        if replica_ctx is None:
+            raise ValueError("apply() must be called in a replica context.")
+        finite = self._finite_on_every_replica(replica_ctx, grads)
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            # Every replica holds the same `finite`, so all take the same branch and
+            # the collective all-reduce inside the inner optimizer stays matched.
+            ops.cond(
+                finite,
+                lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
+                self._stateful_handle_non_finite_grads,
+            )
+            return
+
+        def cross_replica(distribution, finite, grads, trainable_variables):
+            # The value is identical on every replica; any one of them will do.
+            finite = distribution.experimental_local_results(finite)[0]
+
+            def apply_fn():
+                distribution.extended.call_for_each_replica(
+                    self._stateful_handle_finite_grads, args=(grads, trainable_variables)
+                )
+
+            # The cond must run in cross-replica context: the inner optimizer's apply
+            # makes a merge call, which a replica-context cond branch cannot hold.
+            ops.cond(finite, apply_fn, self._stateful_handle_non_finite_grads)
+
+        replica_ctx.merge_call(cross_replica, args=(finite, grads, trainable_variables))
+
+    def _finite_on_every_replica(self, replica_ctx, grads):
+        local_bad = ops.cast(ops.logical_not(self.check_finite(grads)), "float32")
+        if replica_ctx.num_replicas_in_sync > 1:
+            local_bad = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
+        return ops.equal(local_bad, 0.0)
+
+
+def wrap_optimizer(optimizer, initial_scale=2**15, growth_steps=2000):
+    """Wraps `optimizer` for loss scaling when the global policy is mixed_float16.
+
+    Safe to call twice, and safe with `model.compile` (Keras only wraps an optimizer that
+    is not already a `LossScaleOptimizer`). A Keras `LossScaleOptimizer` given here is
+    re-wrapped, so that the distribution-safe overflow check is the one used.
+
+    Args:
+        optimizer: a Keras optimizer.
+        initial_scale: the starting loss scale (float16 only).
+        growth_steps: finite steps in a row after which the scale doubles.
+
+    Returns:
+        A `tfmp.LossScaleOptimizer` under mixed_float16, else `optimizer` itself.
+
+    Raises:
+        UsageError: if `initial_scale` is not positive or `growth_steps` is below 1.
+    """
+    if not initial_scale > 0:
+        raise UsageError(f"loss scale initial value must be > 0, got {initial_scale}")
+    if int(growth_steps) != growth_steps or growth_steps < 1:
+        raise UsageError(f"loss scale growth steps must be an integer >= 1, got {growth_steps}")
+    if not precision.needs_loss_scaling() or isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        logging.info("Replacing Keras' LossScaleOptimizer with tfmp's distribution-safe one.")
+        optimizer = optimizer.inner_optimizer
+    return LossScaleOptimizer(
+        optimizer, initial_scale=float(initial_scale), dynamic_growth_steps=int(growth_steps)
+    )
+
+
+def loss_scale_of(optimizer):
+    """The current loss scale as a float, or None for an optimizer without one."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return float(optimizer.dynamic_scale.numpy()) if optimizer.built else float(optimizer.initial_scale)
+    return None

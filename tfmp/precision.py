@@ -1,0 +1,152 @@
+"""Decide the global Keras dtype policy once, from the user's choice or the hardware."""
+
+import dataclasses
+import functools
+import typing
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError
+
+POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the policy choice depends on.
+
+    Attributes:
+        tpu: whether TPU devices are visible.
+        gpu_capability: lowest (major, minor) compute capability among the visible
+            GPUs, or None without GPUs.
+        gpu_name: name of the first GPU, for messages.
+        cpu_flags: the bfloat16-related CPU flags found (subset of amx_bf16, avx512_bf16).
+    """
+
+    tpu: bool = False
+    gpu_capability: tuple | None = None
+    gpu_name: str = ""
+    cpu_flags: tuple = ()
+
+
+@functools.cache
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:  # Not Linux: no flags known, so no bfloat16 claim.
+        return ()
+    return tuple(flag for flag in _CPU_BF16_FLAGS if flag in words)
+
+
+def detect_hardware():
+    """Reads the visible accelerators and CPU features. Does not create any device."""
+    tpu = bool(tf.config.list_logical_devices("TPU"))
+    capability, name = None, ""
+    for gpu in tf.config.list_physical_devices("GPU"):
+        details = tf.config.experimental.get_device_details(gpu)
+        cc = details.get("compute_capability")
+        if cc is not None and (capability is None or tuple(cc) < capability):
+            capability = tuple(cc)
+        name = name or details.get("device_name", gpu.name)
+    return Hardware(tpu=tpu, gpu_capability=capability, gpu_name=name, cpu_flags=_cpu_flags())
+
+
+def choose_policy(hardware):
+    """Returns (policy, reason) for `auto` on the given hardware."""
+    if hardware.tpu:
+        return "mixed_bfloat16", "TPU found: bfloat16 is native on TPU matrix units"
+    if hardware.gpu_capability is not None:
+        cc = "%d.%d" % hardware.gpu_capability
+        if hardware.gpu_capability >= (7, 0):
+            return "mixed_float16", f"GPU {hardware.gpu_name} has compute capability {cc} >= 7.0 (float16 Tensor Cores)"
+        return "float32", f"GPU {hardware.gpu_name} has compute capability {cc} < 7.0: float16 would not be faster"
+    if hardware.cpu_flags:
+        return "mixed_bfloat16", f"CPU only, with {'/'.join(hardware.cpu_flags)}: bfloat16 matmuls run in hardware"
+    return "float32", "CPU only, without AMX or AVX512-BF16: mixed precision would be slower"
+
+
+def _slow_float16_warning(hardware):
+    if hardware.tpu:
+        return "mixed_float16 on TPU: TPUs compute in bfloat16; use mixed_bfloat16."
+    if hardware.gpu_capability is None:
+        return (
+            "mixed_float16 on a CPU can be many times slower than float32 (float16 matmuls "
+            "are emulated); use --precision=auto or mixed_bfloat16 unless you are testing."
+        )
+    if hardware.gpu_capability < (7, 0):
+        cc = "%d.%d" % hardware.gpu_capability
+        return f"mixed_float16 on a GPU of compute capability {cc} (< 7.0, no Tensor Cores) can be slower than float32."
+    return None
+
+
+class Decision(typing.NamedTuple):
+    """A resolved policy and the sentence that explains it."""
+
+    policy: str
+    reason: str
+    warning: str | None = None
+
+
+def resolve_policy(policy="auto", hardware=None):
+    """Turns a policy choice into a concrete policy, with the reason.
+
+    Args:
+        policy: one of `auto`, `mixed_float16`, `mixed_bfloat16`, `float32`.
+        hardware: a `Hardware` to decide from; detected when None (tests pass one).
+
+    Returns:
+        A `Decision`. Nothing global changes.
+
+    Raises:
+        UsageError: for an unknown policy name.
+    """
+    if policy not in POLICIES:
+        raise UsageError(f"unknown precision {policy!r}; choose one of {', '.join(POLICIES)}")
+    hardware = hardware or detect_hardware()
+    if policy == "auto":
+        chosen, reason = choose_policy(hardware)
+        return Decision(chosen, "auto: " + reason)
+    warning = _slow_float16_warning(hardware) if policy == "mixed_float16" else None
+    return Decision(policy, "asked for", warning)
+
+
+def configure_precision(policy="auto", hardware=None):
+    """Applies a global Keras dtype policy, logs why, and returns its name.
+
+    Asking for mixed_float16 where it is slow (CPU, TPU, GPU below compute capability
+    7.0) works but logs a warning.
+
+    Args:
+        policy: one of `auto`, `mixed_float16`, `mixed_bfloat16`, `float32`.
+        hardware: a `Hardware` to decide from; detected when None.
+
+    Returns:
+        The name of the policy now global, e.g. "mixed_bfloat16".
+
+    Raises:
+        UsageError: for an unknown policy name.
+    """
+    return apply_policy(resolve_policy(policy, hardware))
+
+
+def apply_policy(decision):
+    """Makes a resolved `Decision` the global Keras dtype policy; logs it; returns its name."""
+    logging.info("Precision: %s (%s)", decision.policy, decision.reason)
+    if decision.warning:
+        logging.warning(decision.warning)
+    keras.config.set_dtype_policy(decision.policy)
+    return decision.policy
+
+
+def compute_dtype():
+    """The compute dtype of the global policy, e.g. "bfloat16"."""
+    return keras.config.dtype_policy().compute_dtype
+
+
+def needs_loss_scaling():
+    """Whether the global policy computes in float16, the only one that needs a loss scale."""
+    return compute_dtype() == "float16"

@@ -1,0 +1,26 @@
+"""One call that seeds every random number generator a training run touches."""
+
+import keras
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError
+
+
+def set_seed(seed, deterministic=False):
+    """Seeds python, numpy, TensorFlow and Keras; optionally makes TF ops deterministic.
+
+    Args:
+        seed: a non-negative integer.
+        deterministic: also turn on TensorFlow op determinism (slower on GPU; same
+            results run to run on the same device setup).
+
+    Raises:
+        UsageError: for a negative or non-integer seed.
+    """
+    if int(seed) != seed or seed < 0:
+        raise UsageError(f"seed must be a non-negative integer, got {seed!r}")
+    keras.utils.set_random_seed(int(seed))  # python `random`, numpy and TensorFlow.
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
+    logging.info("Seed %d (op determinism %s)", seed, "on" if deterministic else "off")

@@ -1,0 +1,54 @@
+"""Train a bundled model under a mixed-precision policy and a tf.distribute strategy.
+
+    python train.py                                   # cnn on the shipped digits
+    python train.py --model=lstm                      # lstm on the shipped sentences
+    python train.py --model=resnet --dataset=cifar10 --precision=mixed_float16
+    python train.py --model=cnn --strategy=tpu --tpu=local
+"""
+
+import dataclasses
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Before TensorFlow loads: hide C++ info lines.
+
+from absl import app, flags  # noqa: E402
+
+import models  # noqa: E402
+from tfmp import distribute, precision, training  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")
+flags.DEFINE_string("dataset", None, "digits | sentiment (shipped samples) | synthetic | a TFDS "
+                    "name (mnist, cifar10, imdb_reviews, glue/sst2, ...) | a prepared TFDS "
+                    "directory. Default: digits for image models, sentiment for text models.")
+flags.DEFINE_string("data_dir", None, "Where TFDS looks for prepared datasets.")
+flags.DEFINE_enum("precision", "auto", list(precision.POLICIES), "Dtype policy; auto picks from the hardware.")
+flags.DEFINE_enum("strategy", "auto", list(distribute.STRATEGIES), "tf.distribute strategy.")
+flags.DEFINE_string("tpu", None, "With --strategy=tpu: 'local' (Colab/TPU VM) or a TPU name/address.")
+flags.DEFINE_integer("batch_size", 128, "GLOBAL batch size (summed over replicas).")
+flags.DEFINE_integer("epochs", 3, "Training epochs.")
+flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch (repeats the data); default one pass.")
+flags.DEFINE_float("learning_rate", 1e-3, "Base learning rate (for --base_batch_size).")
+flags.DEFINE_enum("lr_scaling", "none", list(distribute.LR_SCALING), "Scale the LR with the batch size.")
+flags.DEFINE_integer("base_batch_size", None, "Batch size the base LR is tuned for (default: the batch size).")
+flags.DEFINE_integer("seed", 0, "Seed for python, numpy, TensorFlow and Keras.")
+flags.DEFINE_bool("deterministic", False, "Turn on TensorFlow op determinism.")
+flags.DEFINE_string("model_dir", "runs/default", "Where metrics.json (and later checkpoints) go.")
+flags.DEFINE_float("loss_scale_initial", 2.0**15, "Initial loss scale (mixed_float16 only).")
+flags.DEFINE_integer("loss_scale_growth_steps", 2000, "Finite steps before the loss scale doubles.")
+flags.DEFINE_integer("vocab_size", 20000, "Text models: vocabulary size.")
+flags.DEFINE_integer("sequence_length", 64, "Text models: tokens per example.")
+flags.DEFINE_bool("augment", False, "Random crop and flip (32x32 colour images).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config = training.Config(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config)
+                                if f.name in FLAGS})
+    with training.user_errors("train.py"):
+        training.train_and_evaluate(config)
+
+
+if __name__ == "__main__":
+    app.run(main)
