@@ -1,9 +1,9 @@
 """Train a bundled model under a mixed-precision policy and a tf.distribute strategy.
 
-    python train.py                                   # cnn on the shipped digits
-    python train.py --model=lstm                      # lstm on the shipped sentences
-    python train.py --model=resnet --dataset=cifar10 --precision=mixed_float16
-    python train.py --model=cnn --strategy=tpu --tpu=local
+python train.py                                   # cnn on the shipped digits
+python train.py --model=lstm                      # lstm on the shipped sentences
+python train.py --model=resnet --dataset=cifar10 --precision=mixed_float16
+python train.py --model=cnn --strategy=tpu --tpu=local
 """
 
 import dataclasses
@@ -18,10 +18,15 @@ from tfmp import distribute, precision, training  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")
-flags.DEFINE_string("dataset", None, "digits | sentiment (shipped samples) | synthetic | a TFDS "
-                    "name (mnist, cifar10, imdb_reviews, glue/sst2, ...) | a prepared TFDS "
-                    "directory. Default: digits for image models, sentiment for text models.")
+flags.DEFINE_string(
+    "dataset",
+    None,
+    "digits | sentiment (shipped samples) | synthetic | a TFDS "
+    "name (mnist, cifar10, imdb_reviews, glue/sst2, ...) | a prepared TFDS "
+    "directory. Default: digits for image models, sentiment for text models.",
+)
 flags.DEFINE_string("data_dir", None, "Where TFDS looks for prepared datasets.")
+flags.DEFINE_bool("download", True, "Let TFDS download a registered dataset missing from --data_dir.")
 flags.DEFINE_enum("precision", "auto", list(precision.POLICIES), "Dtype policy; auto picks from the hardware.")
 flags.DEFINE_enum("strategy", "auto", list(distribute.STRATEGIES), "tf.distribute strategy.")
 flags.DEFINE_string("tpu", None, "With --strategy=tpu: 'local' (Colab/TPU VM) or a TPU name/address.")
@@ -44,8 +49,9 @@ flags.DEFINE_bool("augment", False, "Random crop and flip (32x32 colour images).
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
-    config = training.Config(**{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config)
-                                if f.name in FLAGS})
+    config = training.Config(
+        **{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config) if f.name in FLAGS}
+    )
     with training.user_errors("train.py"):
         training.train_and_evaluate(config)
 

@@ -24,22 +24,37 @@ class TokenAndPositionEmbedding(keras.layers.Layer):
         return self.tokens(ids) + self.positions(ops.arange(ops.shape(ids)[-1]))
 
     def get_config(self):
-        return {**super().get_config(), "vocab_size": self.vocab_size,
-                "sequence_length": self.sequence_length, "embed_dim": self.embed_dim}
+        return {
+            **super().get_config(),
+            "vocab_size": self.vocab_size,
+            "sequence_length": self.sequence_length,
+            "embed_dim": self.embed_dim,
+        }
 
 
 def _encoder_block(x, num_heads, embed_dim, ff_dim, dropout, name):
     attention = keras.layers.MultiHeadAttention(num_heads, embed_dim // num_heads, name=f"{name}_attention")(x, x)
     x = keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_norm1")(
-        x + keras.layers.Dropout(dropout, name=f"{name}_drop1")(attention))
+        x + keras.layers.Dropout(dropout, name=f"{name}_drop1")(attention)
+    )
     ff = keras.layers.Dense(ff_dim, activation="gelu", name=f"{name}_ff1")(x)
     ff = keras.layers.Dense(embed_dim, name=f"{name}_ff2")(ff)
     return keras.layers.LayerNormalization(epsilon=1e-6, name=f"{name}_norm2")(
-        x + keras.layers.Dropout(dropout, name=f"{name}_drop2")(ff))
+        x + keras.layers.Dropout(dropout, name=f"{name}_drop2")(ff)
+    )
 
 
-def build(num_classes, vocab_size=20000, sequence_length=64, embed_dim=64, num_heads=4,
-          ff_dim=128, num_layers=2, dropout=0.1, **_):
+def build(
+    num_classes,
+    vocab_size=20000,
+    sequence_length=64,
+    embed_dim=64,
+    num_heads=4,
+    ff_dim=128,
+    num_layers=2,
+    dropout=0.1,
+    **_,
+):
     """Post-norm encoder blocks, mean pooling and a float32 softmax head.
 
     Args:

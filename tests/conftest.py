@@ -26,7 +26,12 @@ def _reset_policy():
     keras.backend.clear_session()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mirrored():
-    """A real MirroredStrategy over the two logical CPU devices."""
+    """A real MirroredStrategy over the two logical CPU devices, with its default
+    (collective) all-reduce.
+
+    One per session: each new MirroredStrategy numbers its collective instances from the
+    same start, and two strategies over the same devices in one process collide.
+    """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])

@@ -5,7 +5,9 @@ import pytest
 import tfmp
 
 
-@pytest.mark.parametrize("policy, compute", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16"), ("float32", "float32")])
+@pytest.mark.parametrize(
+    "policy, compute", [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16"), ("float32", "float32")]
+)
 def test_head_logits_in_policy_softmax_in_float32(policy, compute):
     keras.config.set_dtype_policy(policy)
     inputs = keras.Input((8,))

@@ -46,15 +46,18 @@ def _mirrored_strategy():
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
     if gpus:
-        devices = [d.name for d in gpus]
-    elif len(cpus) > 1:  # Logical CPU devices: how tests exercise a real 2-replica setup.
-        devices = [d.name for d in cpus]
-    else:
-        raise UsageError(
-            "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
-            "none; use --strategy=default on one CPU"
+        return tf.distribute.MirroredStrategy([d.name for d in gpus])
+    if len(cpus) > 1:
+        # Logical CPU devices: how tests and laptops exercise a real multi-replica setup.
+        # Reduce through one device: collective ops number their instances per strategy
+        # object, so a second CPU MirroredStrategy in the same process would collide.
+        return tf.distribute.MirroredStrategy(
+            [d.name for d in cpus], cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
-    return tf.distribute.MirroredStrategy(devices)
+    raise UsageError(
+        "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
+        "none; use --strategy=default on one CPU"
+    )
 
 
 def get_strategy(name="auto", tpu=None):
@@ -163,15 +166,19 @@ class BatchPlan:
             ("global batch", self.global_batch),
             ("grad accumulation steps", self.grad_accum_steps),
             ("effective batch per update", self.effective_batch),
-            ("learning rate", f"{self.learning_rate:.6g} ({self.lr_scaling} scaling of "
-             f"{self.base_learning_rate:g} at batch {self.base_batch})"),
+            (
+                "learning rate",
+                f"{self.learning_rate:.6g} ({self.lr_scaling} scaling of "
+                f"{self.base_learning_rate:g} at batch {self.base_batch})",
+            ),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
 
 
-def plan_batch(global_batch, replicas, learning_rate, lr_scaling="none", base_batch=None,
-               grad_accum_steps=1, workers=1):
+def plan_batch(
+    global_batch, replicas, learning_rate, lr_scaling="none", base_batch=None, grad_accum_steps=1, workers=1
+):
     """Checks the global batch against the replica count and scales the learning rate.
 
     Args:

@@ -93,9 +93,7 @@ def wrap_optimizer(optimizer, initial_scale=2**15, growth_steps=2000):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         logging.info("Replacing Keras' LossScaleOptimizer with tfmp's distribution-safe one.")
         optimizer = optimizer.inner_optimizer
-    return LossScaleOptimizer(
-        optimizer, initial_scale=float(initial_scale), dynamic_growth_steps=int(growth_steps)
-    )
+    return LossScaleOptimizer(optimizer, initial_scale=float(initial_scale), dynamic_growth_steps=int(growth_steps))
 
 
 def loss_scale_of(optimizer):

@@ -60,7 +60,7 @@ def choose_policy(hardware):
     if hardware.tpu:
         return "mixed_bfloat16", "TPU found: bfloat16 is native on TPU matrix units"
     if hardware.gpu_capability is not None:
-        cc = "%d.%d" % hardware.gpu_capability
+        cc = "{}.{}".format(*hardware.gpu_capability)
         if hardware.gpu_capability >= (7, 0):
             return "mixed_float16", f"GPU {hardware.gpu_name} has compute capability {cc} >= 7.0 (float16 Tensor Cores)"
         return "float32", f"GPU {hardware.gpu_name} has compute capability {cc} < 7.0: float16 would not be faster"
@@ -78,7 +78,7 @@ def _slow_float16_warning(hardware):
             "are emulated); use --precision=auto or mixed_bfloat16 unless you are testing."
         )
     if hardware.gpu_capability < (7, 0):
-        cc = "%d.%d" % hardware.gpu_capability
+        cc = "{}.{}".format(*hardware.gpu_capability)
         return f"mixed_float16 on a GPU of compute capability {cc} (< 7.0, no Tensor Cores) can be slower than float32."
     return None
 

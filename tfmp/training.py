@@ -27,6 +27,7 @@ class Config:
     model: str = "cnn"
     dataset: str | None = None  # None: the shipped sample for the model's input kind.
     data_dir: str | None = None
+    download: bool = True
     precision: str = "auto"
     strategy: str = "auto"
     tpu: str | None = None
@@ -51,12 +52,25 @@ DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
 
 
 def _check_writable(path):
-    """Raises UsageError unless `path` exists as a writable directory or could be created."""
-    probe = os.path.abspath(path)
+    """Raises UsageError unless a file can be written in directory `path`.
+
+    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
+    removes whatever directories the try created: a failed run leaves nothing behind.
+    """
+    missing, probe = [], os.path.abspath(path)
     while not os.path.exists(probe):
+        missing.append(probe)  # Deepest first.
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"--model_dir={path} cannot be written ({probe} is not a writable directory)")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--model_dir={path} cannot be written ({e.strerror or e})") from e
+    finally:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
 
 
 def write_json_atomically(path, obj):
@@ -116,36 +130,51 @@ def train_and_evaluate(config, out=sys.stdout):
     # 3. Strategy and the batch split.
     strategy = distribute.get_strategy(config.strategy, config.tpu)
     plan = distribute.plan_batch(
-        config.batch_size, strategy.num_replicas_in_sync, config.learning_rate,
-        config.lr_scaling, config.base_batch_size,
+        config.batch_size,
+        strategy.num_replicas_in_sync,
+        config.learning_rate,
+        config.lr_scaling,
+        config.base_batch_size,
         workers=getattr(strategy.extended, "_num_workers", 1),
     )
     # 4. Data, batched at the global batch size.
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
     ds = data.load(
-        dataset, plan.global_batch, config.data_dir, kind=entry.kind, seed=config.seed,
-        augment=config.augment, repeat=config.steps_per_epoch is not None, drop_remainder=True,
-        vocab_size=config.vocab_size, sequence_length=config.sequence_length,
+        dataset,
+        plan.global_batch,
+        config.data_dir,
+        kind=entry.kind,
+        download=config.download,
+        seed=config.seed,
+        augment=config.augment,
+        repeat=config.steps_per_epoch is not None,
+        drop_remainder=True,
+        vocab_size=config.vocab_size,
+        sequence_length=config.sequence_length,
     )
     if ds.source.kind != entry.kind:
         raise UsageError(
             f"model {config.model!r} takes {entry.kind} input but dataset {dataset!r} is "
             f"{ds.source.kind}; pick a {ds.source.kind} model ("
-            + ", ".join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind) + ")"
+            + ", ".join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)
+            + ")"
         )
     # 5. Model and optimizer, built inside the strategy's scope.
     with strategy.scope():
         if entry.kind == "image":
             model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
         else:
-            model = entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(),
-                                sequence_length=config.sequence_length)
+            model = entry.build(
+                ds.source.num_classes,
+                vocab_size=ds.vectorizer.vocabulary_size(),
+                sequence_length=config.sequence_length,
+            )
         optimizer = loss_scale.wrap_optimizer(
             keras.optimizers.Adam(plan.learning_rate),
-            config.loss_scale_initial, config.loss_scale_growth_steps,
+            config.loss_scale_initial,
+            config.loss_scale_growth_steps,
         )
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=["accuracy"])
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
@@ -156,8 +185,14 @@ def train_and_evaluate(config, out=sys.stdout):
     throughput = callbacks.Throughput(plan.global_batch)
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     start = time.perf_counter()
-    model.fit(ds.train, epochs=config.epochs, steps_per_epoch=config.steps_per_epoch,
-              callbacks=[throughput], verbose=verbose, shuffle=False)
+    model.fit(
+        ds.train,
+        epochs=config.epochs,
+        steps_per_epoch=config.steps_per_epoch,
+        callbacks=[throughput],
+        verbose=verbose,
+        shuffle=False,
+    )
     train_seconds = time.perf_counter() - start
     # 7. Evaluate and record.
     test_loss, test_accuracy = model.evaluate(ds.test, verbose=0)
@@ -183,9 +218,13 @@ def train_and_evaluate(config, out=sys.stdout):
     }
     if distribute.is_chief(strategy):
         write_json_atomically(os.path.join(config.model_dir, "metrics.json"), metrics)
-    print(f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  "
-          f"({throughput.examples_per_second:,.0f} train examples/s; "
-          f"metrics in {os.path.join(config.model_dir, 'metrics.json')})", file=out, flush=True)
+    print(
+        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  "
+        f"({throughput.examples_per_second:,.0f} train examples/s; "
+        f"metrics in {os.path.join(config.model_dir, 'metrics.json')})",
+        file=out,
+        flush=True,
+    )
     return metrics
 
 

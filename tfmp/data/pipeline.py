@@ -47,8 +47,18 @@ def make_vectorizer(texts, vocab_size, sequence_length):
     return vectorizer
 
 
-def build(source, train, test, global_batch, seed=0, augment=False, repeat=False,
-          drop_remainder=False, vocab_size=20000, sequence_length=64):
+def build(
+    source,
+    train,
+    test,
+    global_batch,
+    seed=0,
+    augment=False,
+    repeat=False,
+    drop_remainder=False,
+    vocab_size=20000,
+    sequence_length=64,
+):
     """Builds the input pipeline for one dataset.
 
     Args:
@@ -57,7 +67,8 @@ def build(source, train, test, global_batch, seed=0, augment=False, repeat=False
         seed: the shuffle and augmentation seed.
         augment: random crop and flip (meant for 32x32 colour data).
         repeat: repeat the training data without end (steps_per_epoch sets epochs).
-        drop_remainder: static batch shapes, which TPUs need.
+        drop_remainder: static training batch shapes (TPUs need them). The test split
+            keeps its last, partial batch so every example is evaluated.
         vocab_size, sequence_length: for text, the vectorizer's settings.
 
     Returns:
@@ -88,5 +99,5 @@ def build(source, train, test, global_batch, seed=0, augment=False, repeat=False
             lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE
         )
     train = train.batch(global_batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
-    test = test.batch(global_batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
+    test = test.batch(global_batch).prefetch(AUTOTUNE)
     return Data(source, train, test, vectorizer)

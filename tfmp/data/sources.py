@@ -64,7 +64,7 @@ def _sentiment():
     def split(name):
         with gzip.open(SAMPLES_DIR / f"sentiment_{name}.tsv.gz", "rt", encoding="utf-8") as f:
             next(f)  # Header.
-            labels, sentences = zip(*(line.rstrip("\n").split("\t", 1) for line in f))
+            labels, sentences = zip(*(line.rstrip("\n").split("\t", 1) for line in f), strict=False)
         labels = np.array(labels, dtype=np.int64)
         return tf.data.Dataset.from_tensor_slices({"sentence": list(sentences), "label": labels}), len(labels)
 
@@ -104,7 +104,7 @@ def _find_key(features, wanted, name, what):
     )
 
 
-def _tfds_builder(name, data_dir):
+def _tfds_builder(name, data_dir, download):
     import tensorflow_datasets as tfds  # Imported here: costly, and only TFDS runs need it.
 
     if os.path.isdir(name):
@@ -120,7 +120,13 @@ def _tfds_builder(name, data_dir):
             f"--data_dir={data_dir or '~/tensorflow_datasets'}); shipped: "
             f"{', '.join([*SHIPPED, SYNTHETIC])}"
         ) from e
-    if not builder.info.splits:
+    if not builder.is_prepared():
+        if not download:
+            raise UsageError(
+                f"dataset {name!r} is not prepared in {builder.data_dir}; pass --download to "
+                "fetch it, or prepare it on a machine with internet and pass that directory "
+                "as --data_dir"
+            )
         try:
             builder.download_and_prepare()
         except Exception as e:  # noqa: BLE001 - offline machines fail in many ways.
@@ -133,10 +139,10 @@ def _tfds_builder(name, data_dir):
     return builder
 
 
-def _tfds(name, data_dir):
+def _tfds(name, data_dir, download):
     import tensorflow_datasets as tfds
 
-    builder = _tfds_builder(name, data_dir)
+    builder = _tfds_builder(name, data_dir, download)
     features = builder.info.features
     label = _find_key(features, _LABEL_KEYS, name, "label")
     num_classes = features[label].num_classes
@@ -146,20 +152,27 @@ def _tfds(name, data_dir):
     else:
         feature = _find_key(features, _TEXT_KEYS, name, "image or text")
         kind, shape = "text", None
-    splits = builder.info.splits
-    test_split = next((s for s in ("test", "validation") if s in splits), None)
+    # Prefer a labelled validation split: some test splits (GLUE) carry no labels. Mocked
+    # builders (tfds.testing.mock_data) may know no splits; they serve any name.
+    splits = list(builder.info.splits) or (["train", "validation"] if name.startswith("glue/") else ["train", "test"])
+    test_split = next((s for s in ("validation", "test") if s in splits), None)
     if "train" not in splits or test_split is None:
-        raise UsageError(f"dataset {name!r} needs a train split and a test or validation split; it has {', '.join(splits)}")
+        raise UsageError(
+            f"dataset {name!r} needs a train split and a validation or test split; it has {', '.join(splits)}"
+        )
+    if kind == "image" and None in shape:
+        raise UsageError(f"dataset {name!r} has images of varying size {shape}; tfmp needs a fixed image shape")
+    train_size = builder.info.splits["train"].num_examples if builder.info.splits else None
 
     def read(split):
         ds = builder.as_dataset(split=split, read_config=tfds.ReadConfig(shuffle_seed=0))
         return ds.map(lambda ex: {feature: ex[feature], "label": ex[label]})
 
-    source = Source(name, kind, feature, num_classes, shape, splits["train"].num_examples, test_split)
+    source = Source(name, kind, feature, num_classes, shape, train_size, test_split)
     return source, read("train"), read(test_split)
 
 
-def load_source(name, data_dir=None, kind="image"):
+def load_source(name, data_dir=None, kind="image", download=True):
     """Opens a dataset by name.
 
     Args:
@@ -167,6 +180,7 @@ def load_source(name, data_dir=None, kind="image"):
             `cifar10`, `imdb_reviews`, `glue/sst2`, ...), or a prepared TFDS directory.
         data_dir: where TFDS looks for prepared data.
         kind: for `synthetic`: "image" or "text".
+        download: let TFDS download and prepare a registered dataset that is missing.
 
     Returns:
         (Source, train dataset, test dataset), unbatched dict examples.
@@ -180,4 +194,4 @@ def load_source(name, data_dir=None, kind="image"):
         return _sentiment()
     if name == SYNTHETIC:
         return synthetic(kind)
-    return _tfds(name, data_dir)
+    return _tfds(name, data_dir, download)

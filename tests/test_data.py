@@ -1,0 +1,97 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from tfmp import data
+from tfmp.errors import UsageError
+
+SHARED = "../shared/datasets"
+
+
+def test_shipped_digits_batches():
+    ds = data.load("digits", 64, drop_remainder=True)
+    assert ds.source.num_classes == 10 and ds.source.train_size == 8000
+    images, labels = next(iter(ds.train))
+    assert images.dtype == tf.float32 and tuple(images.shape) == (64, 28, 28, 1)
+    assert 0.0 <= float(tf.reduce_min(images)) and float(tf.reduce_max(images)) <= 1.0
+    assert float(tf.reduce_max(images)) > 0.5  # Real digits, not an empty canvas.
+    assert labels.dtype == tf.int64 and set(labels.numpy()) <= set(range(10))
+    assert sum(int(x.shape[0]) for x, _ in ds.test) == 1000
+
+
+def test_shipped_sentiment_is_vectorized():
+    ds = data.load("sentiment", 32, vocab_size=500, sequence_length=20)
+    assert ds.source.kind == "text" and ds.source.test_split == "validation"
+    tokens, labels = next(iter(ds.train))
+    assert tuple(tokens.shape) == (32, 20) and tokens.dtype == tf.int64
+    assert int(tf.reduce_max(tokens)) < 500 and int(tf.reduce_max(tokens)) > 1
+    assert ds.vectorizer.vocabulary_size() == 500
+    assert sum(int(x.shape[0]) for x, _ in ds.test) == 872
+
+
+def test_shuffle_is_seeded():
+    def first_labels(seed):
+        return next(iter(data.load("digits", 16, seed=seed).train))[1].numpy()
+
+    np.testing.assert_array_equal(first_labels(3), first_labels(3))
+    assert not np.array_equal(first_labels(3), first_labels(4))
+
+
+def test_augmentation_keeps_shape_and_changes_pixels():
+    source, train, test = data.synthetic("image", 64, image_shape=(32, 32, 3))
+    plain = data.build(source, train, test, 8, seed=1, drop_remainder=True)
+    aug = data.build(source, train, test, 8, seed=1, augment=True, drop_remainder=True)
+    a, b = next(iter(plain.train))[0], next(iter(aug.train))[0]
+    assert a.shape == b.shape == (8, 32, 32, 3)
+    assert not np.array_equal(a.numpy(), b.numpy())
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_synthetic(kind):
+    ds = data.load("synthetic", 8, kind=kind, vocab_size=300, sequence_length=12)
+    x, y = next(iter(ds.train))
+    assert x.shape[0] == 8 and ds.source.kind == kind
+
+
+@pytest.mark.parametrize(
+    "name, kind, feature, classes, shape",
+    [
+        ("cifar10", "image", "image", 10, (32, 32, 3)),
+        ("mnist", "image", "image", 10, (28, 28, 1)),
+        ("imdb_reviews", "text", "text", 2, None),
+        ("ag_news_subset", "text", "description", 4, None),
+        ("glue/sst2", "text", "sentence", 2, None),
+    ],
+)
+def test_tfds_by_name_with_mock_data(name, kind, feature, classes, shape):
+    with tfds.testing.mock_data(num_examples=24):
+        ds = data.load(name, 8, data_dir="/nonexistent/tfds", vocab_size=200, sequence_length=16, drop_remainder=True)
+        x, y = next(iter(ds.train))
+    assert (ds.source.kind, ds.source.feature, ds.source.num_classes, ds.source.image_shape) == (
+        kind,
+        feature,
+        classes,
+        shape,
+    )
+    assert x.shape[0] == 8 and x.dtype == (tf.float32 if kind == "image" else tf.int64)
+    if shape:
+        assert tuple(x.shape[1:]) == shape
+
+
+def test_prepared_directory_and_data_dir():
+    by_dir = data.load_source(f"{SHARED}/sst2/1.0.0")[0]
+    by_name = data.load_source("mnist_t10k", SHARED, download=False)[0]
+    assert (by_dir.kind, by_dir.feature, by_dir.test_split) == ("text", "sentence", "validation")
+    assert (by_name.kind, by_name.image_shape, by_name.train_size) == ("image", (28, 28, 1), 8000)
+
+
+def test_missing_dataset_is_one_line(tmp_path):
+    with pytest.raises(UsageError) as e:
+        data.load_source("mnist", str(tmp_path), download=False)
+    assert "'mnist' is not prepared in" in str(e.value) and str(tmp_path) in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(UsageError, match="unknown dataset 'no_such_set'.*digits, sentiment, synthetic"):
+        data.load_source("no_such_set", str(tmp_path))
+    with pytest.raises(UsageError, match="not a prepared TFDS dataset directory"):
+        data.load_source(str(tmp_path))

@@ -1,0 +1,135 @@
+"""End-to-end: the real train.py binary, and train_and_evaluate under real strategies."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from tfmp import training
+from tfmp.errors import UsageError
+
+METRIC_KEYS = {
+    "test_accuracy",
+    "test_loss",
+    "policy",
+    "strategy",
+    "replicas",
+    "global_batch_size",
+    "examples_per_second",
+    "epochs",
+}
+
+
+def run_train(*flags, cwd=REPO):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "train.py"), *flags],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_train_binary_smoke(tmp_path):
+    result = run_train("--epochs=1", "--steps_per_epoch=4", f"--model_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert METRIC_KEYS <= set(metrics)
+    assert metrics["strategy"] == "default" and metrics["replicas"] == 1 and metrics["steps"] == 4
+    assert metrics["examples_per_second"] > 0
+    for words in ("precision", "strategy", "per-replica batch", "global batch", "learning rate", "test accuracy"):
+        assert words in result.stdout
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.json"]  # No temporary file left.
+
+
+BAD_FLAGS = [
+    (["--model=vgg"], "vgg"),
+    (["--precision=float8"], "float8"),
+    (["--strategy=gpus"], "gpus"),
+    (["--dataset=no_such_set", "--nodownload"], "no_such_set"),
+    (["--strategy=tpu", "--tpu=local"], "no TPU found"),
+    (["--strategy=mirrored"], "--strategy=mirrored needs GPUs"),
+    (["--batch_size=0"], "batch size must be >= 1"),
+    (["--model=lstm", "--dataset=digits"], "takes text input"),
+    (["--lr_scaling=cubic"], "cubic"),
+]
+
+
+@pytest.mark.parametrize("flags, words", BAD_FLAGS, ids=[f[0][0] for f in BAD_FLAGS])
+def test_bad_input_is_one_line_without_traceback(tmp_path, flags, words):
+    model_dir = tmp_path / "run"
+    result = run_train(*flags, f"--model_dir={model_dir}", "--epochs=1", "--steps_per_epoch=1")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower() and words in line]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert not model_dir.exists()
+
+
+def test_unwritable_model_dir():
+    result = run_train("--model_dir=/proc/tfmp_run", "--epochs=1", "--steps_per_epoch=1")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "--model_dir=/proc/tfmp_run cannot be written" in result.stderr
+    assert not os.path.exists("/proc/tfmp_run")
+
+
+def test_model_dir_that_is_a_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(UsageError, match="cannot be written"):
+        training.train_and_evaluate(training.Config(model_dir=str(blocker / "run"), epochs=1))
+
+
+def test_mirrored_two_replicas_float16(tmp_path):
+    config = training.Config(
+        model="cnn",
+        dataset="synthetic",
+        precision="mixed_float16",
+        strategy="mirrored",
+        batch_size=16,
+        epochs=1,
+        steps_per_epoch=3,
+        model_dir=str(tmp_path),
+        loss_scale_initial=2.0**10,
+        verbose=0,
+    )
+    metrics = training.train_and_evaluate(config)
+    assert metrics["replicas"] == 2 and metrics["strategy"] == "mirrored"
+    assert metrics["per_replica_batch_size"] == 8 and metrics["global_batch_size"] == 16
+    assert metrics["policy"] == "mixed_float16" and metrics["final_loss_scale"] is not None
+    assert np.isfinite(metrics["test_loss"])
+    with pytest.raises(UsageError, match="global batch size 15 does not divide by the 2 replicas"):
+        training.train_and_evaluate(
+            training.Config(dataset="synthetic", strategy="mirrored", batch_size=15, model_dir=str(tmp_path / "odd"))
+        )
+
+
+@pytest.mark.parametrize("model", ["resnet", "transformer"])
+def test_other_models_train(tmp_path, model):
+    config = training.Config(
+        model=model,
+        dataset="synthetic",
+        precision="mixed_bfloat16",
+        batch_size=8,
+        epochs=1,
+        steps_per_epoch=2,
+        model_dir=str(tmp_path),
+        verbose=0,
+        vocab_size=300,
+        sequence_length=16,
+    )
+    metrics = training.train_and_evaluate(config)
+    assert metrics["steps"] == 2 and np.isfinite(metrics["test_loss"])
+
+
+def test_default_run_reaches_real_accuracy(tmp_path):
+    """The README's main command: cnn on the shipped real digits, auto precision."""
+    metrics = training.train_and_evaluate(training.Config(model_dir=str(tmp_path), verbose=0))
+    assert metrics["dataset"] == "digits"
+    assert metrics["test_accuracy"] >= 0.97, metrics
