@@ -95,3 +95,22 @@ def test_missing_dataset_is_one_line(tmp_path):
         data.load_source("no_such_set", str(tmp_path))
     with pytest.raises(UsageError, match="not a prepared TFDS dataset directory"):
         data.load_source(str(tmp_path))
+
+
+def test_each_input_pipeline_reads_its_own_shard():
+    source, train, test = data.synthetic("image", 64)
+    ds = data.build(source, train, test, global_batch=8, drop_remainder=True)
+    seen = []
+    for pipeline in range(2):
+        context = tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=pipeline, num_replicas_in_sync=4)
+        batches = list(ds.make_train(context))
+        assert all(x.shape[0] == 2 for x, _ in batches)  # Per-replica batch: 8 / 4.
+        seen.append({x.numpy().tobytes() for batch, _ in batches for x in batch})
+    assert len(seen[0]) == len(seen[1]) == 28 and not seen[0] & seen[1]
+
+
+def test_distribute_feeds_every_replica(mirrored):
+    ds = data.load("digits", 16, drop_remainder=True)
+    batch = next(iter(ds.distribute(mirrored)))
+    per_replica = mirrored.experimental_local_results(batch[0])
+    assert [tuple(x.shape) for x in per_replica] == [(8, 28, 28, 1), (8, 28, 28, 1)]

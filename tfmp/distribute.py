@@ -116,6 +116,11 @@ def strategy_name(strategy):
     }.get(type(strategy).__name__, type(strategy).__name__)
 
 
+def num_workers(strategy):
+    """Worker processes (hosts) the strategy spans; 1 for single-process strategies."""
+    return getattr(strategy.extended, "_num_workers", 1)
+
+
 def is_chief(strategy):
     """Whether this process should write checkpoints, logs and metrics."""
     resolver = getattr(strategy, "cluster_resolver", None)

@@ -135,7 +135,7 @@ def train_and_evaluate(config, out=sys.stdout):
         config.learning_rate,
         config.lr_scaling,
         config.base_batch_size,
-        workers=getattr(strategy.extended, "_num_workers", 1),
+        workers=distribute.num_workers(strategy),
     )
     # 4. Data, batched at the global batch size.
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
@@ -146,6 +146,7 @@ def train_and_evaluate(config, out=sys.stdout):
         kind=entry.kind,
         download=config.download,
         seed=config.seed,
+        deterministic=config.deterministic,
         augment=config.augment,
         repeat=config.steps_per_epoch is not None,
         drop_remainder=True,
@@ -186,7 +187,7 @@ def train_and_evaluate(config, out=sys.stdout):
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     start = time.perf_counter()
     model.fit(
-        ds.train,
+        ds.distribute(strategy),
         epochs=config.epochs,
         steps_per_epoch=config.steps_per_epoch,
         callbacks=[throughput],

@@ -1,10 +1,13 @@
 """Turn a source's examples into batched, prefetched (inputs, label) datasets."""
 
 import dataclasses
+import functools
+import typing
 
 import keras
 import tensorflow as tf
 
+from tfmp import distribute
 from tfmp.data import sources
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -16,17 +19,35 @@ class Data:
 
     Attributes:
         source: the `sources.Source` description.
-        train: (inputs, label) batches at the global batch size, shuffled, repeated
-            when `repeat` was asked.
-        test: (inputs, label) batches at the global batch size, in order.
+        global_batch: examples per step over all replicas.
+        make_train: `make_train(input_context=None)` returns the training dataset of one
+            input pipeline: its shard of the examples, shuffled, batched at its part of
+            the global batch. Without a context: the whole data at the global batch.
+        test: (inputs, label) batches at the global batch size, in order, every example.
         vectorizer: for text, the adapted `TextVectorization` layer (keep it with the
             model to accept raw strings); None for images.
     """
 
     source: sources.Source
-    train: tf.data.Dataset
+    global_batch: int
+    make_train: typing.Callable
     test: tf.data.Dataset
     vectorizer: keras.layers.TextVectorization | None = None
+
+    @functools.cached_property
+    def train(self):
+        """The training batches at the global batch size, for one process."""
+        return self.make_train()
+
+    def distribute(self, strategy):
+        """Training input for `strategy`: each worker builds and reads only its own shard.
+
+        Uses `distribute_datasets_from_function`, so a multi-worker or TPU-pod job reads
+        1/num_workers of the data per host, batched at the per-replica size.
+        """
+        if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
+            return self.train
+        return strategy.distribute_datasets_from_function(self.make_train)
 
 
 def _augment(image, seed):
@@ -58,6 +79,7 @@ def build(
     drop_remainder=False,
     vocab_size=20000,
     sequence_length=64,
+    deterministic=True,
 ):
     """Builds the input pipeline for one dataset.
 
@@ -70,6 +92,8 @@ def build(
         drop_remainder: static training batch shapes (TPUs need them). The test split
             keeps its last, partial batch so every example is evaluated.
         vocab_size, sequence_length: for text, the vectorizer's settings.
+        deterministic: keep element order fixed through parallel maps (a little
+            slower); False lets tf.data hand out whichever element is ready first.
 
     Returns:
         A `Data`.
@@ -89,15 +113,24 @@ def build(
     def prepare(ds):
         return ds.map(lambda ex: (to_inputs(ex), ex["label"]), num_parallel_calls=AUTOTUNE)
 
-    train, test = prepare(train).cache(), prepare(test).cache()
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF  # Sharded below.
     buffer = min(source.train_size or 10_000, 10_000)
-    train = train.shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
-    if repeat:
-        train = train.repeat()
-    if augment and source.kind == "image":
-        train = tf.data.Dataset.zip((train, tf.data.Dataset.random(seed=seed).batch(2))).map(
-            lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE
-        )
-    train = train.batch(global_batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE)
-    test = test.batch(global_batch).prefetch(AUTOTUNE)
-    return Data(source, train, test, vectorizer)
+
+    def make_train(input_context=None):
+        ds, batch = train, global_batch
+        if input_context is not None:
+            ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+            batch = input_context.get_per_replica_batch_size(global_batch)
+        ds = prepare(ds).cache().shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
+        if repeat:
+            ds = ds.repeat()
+        if augment and source.kind == "image":
+            ds = tf.data.Dataset.zip((ds, tf.data.Dataset.random(seed=seed).batch(2))).map(
+                lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE
+            )
+        return ds.batch(batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE).with_options(options)
+
+    test = prepare(test).cache().batch(global_batch).prefetch(AUTOTUNE).with_options(options)
+    return Data(source, global_batch, make_train, test, vectorizer)
