@@ -7,8 +7,8 @@ breaks: a random model scores 0.10 on digits and 0.50 on sentences.
 import os
 
 import pytest
-
 from conftest import REPO
+
 from tfmp import training
 
 SHARED = os.path.join(os.path.dirname(REPO), "shared", "datasets")
