@@ -45,6 +45,7 @@ class Config:
     vocab_size: int = 20000
     sequence_length: int = 64
     augment: bool = False
+    warmup_steps: int = 3  # Steps left out of the examples/second figure.
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
 
 
@@ -183,7 +184,7 @@ def train_and_evaluate(config, out=sys.stdout):
 
     # 6. Train.
     os.makedirs(config.model_dir, exist_ok=True)
-    throughput = callbacks.Throughput(plan.global_batch)
+    throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     start = time.perf_counter()
     model.fit(

@@ -1,0 +1,242 @@
+"""The measuring parts of `tfmp.bench` and `--precision=autotune`: each returns plain figures."""
+
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+import models
+from tfmp import callbacks, data, loss_scale, training
+
+_DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+DEFAULT_DATA = {"image": "digits", "text": "sentiment"}
+
+
+def compute_dtype(policy):
+    """The compute dtype of a policy name."""
+    return _DTYPES[policy]
+
+
+def device_name():
+    """The accelerator's name, or the CPU's model name."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+    if tf.config.list_logical_devices("TPU"):
+        return "TPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "CPU"
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def matmul_peaks(policies, n=2048, budget_seconds=20.0):
+    """Measured FLOP/s of an n x n matmul in each policy's compute dtype.
+
+    Returns:
+        {policy: {"flops": FLOP/s, "cut_off": bool}}. A dtype whose first matmul runs past
+        `budget_seconds` (float16 on many CPUs) is measured on that one run only.
+    """
+    peaks = {}
+    for policy in policies:
+        dtype = compute_dtype(policy)
+        a = tf.random.uniform((n, n), dtype=tf.float32)
+        a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
+        matmul = tf.function(lambda x, y: tf.reduce_sum(tf.cast(tf.matmul(x, y)[0, :1], tf.float32)))
+        start = time.perf_counter()
+        matmul(a, b).numpy()  # Trace and warm up.
+        first = time.perf_counter() - start
+        times = [first]
+        while first < budget_seconds and sum(times[1:]) < 2.0 and len(times) < 50:
+            start = time.perf_counter()
+            matmul(a, b).numpy()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[1:]) if len(times) > 1 else first
+        peaks[policy] = {"flops": 2 * n**3 / seconds, "cut_off": first >= budget_seconds}
+    return peaks
+
+
+def flops_per_example(model):
+    """Training FLOPs per example: the forward pass at batch 1, counted by the TF profiler, times 3."""
+    from tensorflow.python.profiler import model_analyzer, option_builder  # Only the v1 profiler counts.
+
+    spec = tf.TensorSpec((1, *model.inputs[0].shape[1:]), model.inputs[0].dtype)
+    graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec).graph
+    options = option_builder.ProfileOptionBuilder.float_operation()
+    options["output"] = "none"
+    forward = model_analyzer.profile(graph, options=options).total_float_ops
+    return 3 * forward  # Backward is about twice the forward.
+
+
+def _memory_bytes():
+    """Peak GPU memory since the last reset, else this process's resident memory now."""
+    if tf.config.list_physical_devices("GPU"):
+        return tf.config.experimental.get_memory_info("GPU:0")["peak"]
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _MemoryPeak(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.peak = _memory_bytes()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.peak = max(self.peak, _memory_bytes())
+
+
+_DATA_CACHE = {}
+
+
+def bench_data(kind, batch_size):
+    """The model kind's shipped real dataset, repeated, built once per (kind, batch)."""
+    key = (kind, batch_size)
+    if key not in _DATA_CACHE:
+        _DATA_CACHE[key] = data.load(DEFAULT_DATA[kind], batch_size, repeat=True, drop_remainder=True)
+    return _DATA_CACHE[key]
+
+
+def input_rate(dataset, batch_size, batches=200, warmup=100):
+    """Examples/second the input pipeline alone delivers, after `warmup` batches (cache filled)."""
+    iterator = iter(dataset)
+    for _ in range(warmup):
+        next(iterator)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(iterator)
+    return batches * batch_size / (time.perf_counter() - start)
+
+
+def build_model(name, source, ds):
+    """Builds registry model `name` for the data's shape, under the global policy."""
+    entry = models.MODELS[name]
+    if entry.kind == "image":
+        return entry.build(source.num_classes, input_shape=source.image_shape)
+    return entry.build(source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(),
+                       sequence_length=ds.train.element_spec[0].shape[-1])
+
+
+def time_fit(model, dataset, batch_size, steps, warmup, budget_seconds=None):
+    """Trains `warmup + steps` steps with `model.fit`; returns (Throughput, memory peak, loss)."""
+    timer = callbacks.Throughput(batch_size, warmup, budget_seconds)
+    memory = _MemoryPeak()
+    if tf.config.list_physical_devices("GPU"):
+        tf.config.experimental.reset_memory_stats("GPU:0")
+    history = model.fit(dataset, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[timer, memory])
+    return timer, memory.peak, history.history["loss"][-1]
+
+
+def bench_one(name, policy, batch_size, steps, warmup, budget_seconds, peak_flops):
+    """Benchmarks one model under one policy. Returns a row dict of figures."""
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy(policy)
+    kind = models.MODELS[name].kind
+    ds = bench_data(kind, batch_size)
+    if "input_rate" not in ds.__dict__:
+        ds.__dict__["input_rate"] = input_rate(ds.train, batch_size)
+    model = build_model(name, ds.source, ds)
+    model.compile(loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)), "sparse_categorical_crossentropy")
+    timer, memory, loss = time_fit(model, ds.train, batch_size, steps, warmup, budget_seconds)
+    rate = timer.examples_per_second
+    flops = flops_per_example(model)
+    times = timer.step_times
+    row = {
+        "model": name,
+        "policy": policy,
+        "examples_per_second": rate,
+        "step_ms_median": 1e3 * statistics.median(times) if times else None,
+        "step_ms_spread": 1e3 * (max(times) - min(times)) if len(times) > 1 else 0.0,
+        "steps_timed": len(times),
+        "cut_off": timer.cut_off,
+        "final_loss": float(loss),
+        "peak_memory_mb": memory / 2**20,
+        "train_flops_per_example": flops,
+        "mfu": flops * rate / peak_flops if peak_flops else None,
+        "input_examples_per_second": ds.__dict__["input_rate"],
+    }
+    row["input_over_train"] = row["input_examples_per_second"] / rate if rate else None
+    return row
+
+
+def add_speedups(rows):
+    """Adds each row's speedup over the same model's float32 row (None without one)."""
+    base = {r["model"]: r["examples_per_second"] for r in rows if r["policy"] == "float32"}
+    for r in rows:
+        b = base.get(r["model"])
+        r["speedup_vs_float32"] = r["examples_per_second"] / b if b else None
+
+
+def overhead(name, policy, batch_size, steps, warmup, repeats=3):
+    """Examples/second of plain `model.fit` vs `tfmp.training`, same model, policy and data.
+
+    The runs alternate, `repeats` of each, and the medians are compared.
+    """
+    kind = models.MODELS[name].kind
+    plain, tfmp_rates = [], []
+    for _ in range(repeats):
+        keras.backend.clear_session()
+        keras.config.set_dtype_policy(policy)
+        ds = bench_data(kind, batch_size)
+        model = build_model(name, ds.source, ds)
+        # Hand-written Keras: Keras wraps its own LossScaleOptimizer under mixed_float16.
+        model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+        plain.append(time_fit(model, ds.train, batch_size, steps, warmup)[0].examples_per_second)
+        keras.backend.clear_session()
+        with tempfile.TemporaryDirectory() as model_dir:
+            config = training.Config(model=name, dataset=DEFAULT_DATA[kind], precision=policy, batch_size=batch_size,
+                                     epochs=1, steps_per_epoch=warmup + steps, model_dir=model_dir, verbose=0,
+                                     strategy="default", warmup_steps=warmup)
+            tfmp_rates.append(training.train_and_evaluate(config, out=open(os.devnull, "w"))["examples_per_second"])
+        logging.info("overhead run: plain %.0f, tfmp %.0f ex/s", plain[-1], tfmp_rates[-1])
+    return {"model": name, "policy": policy, "plain": plain, "tfmp": tfmp_rates,
+            "plain_median": statistics.median(plain), "tfmp_median": statistics.median(tfmp_rates),
+            "ratio": statistics.median(tfmp_rates) / statistics.median(plain)}
+
+
+def table(rows):
+    """The console table."""
+    head = ("model", "policy", "ex/s", "speedup", "step ms (med, spread)", "MFU", "peak MB", "input ex/s", "in/train")
+    lines = []
+    for r in rows:
+        speed = f"{r['speedup_vs_float32']:.2f}x" if r.get("speedup_vs_float32") else "-"
+        step = f"{r['step_ms_median']:.1f} ({r['step_ms_spread']:.1f})" if r["step_ms_median"] else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        note = " CUT OFF" if r["cut_off"] else ""
+        lines.append((r["model"], r["policy"] + note, f"{r['examples_per_second']:,.0f}", speed, step, mfu,
+                      f"{r['peak_memory_mb']:,.0f}", f"{r['input_examples_per_second']:,.0f}",
+                      f"{r['input_over_train']:.1f}x" if r["input_over_train"] else "-"))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=False)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
+
+
+def plot(rows, path):
+    """A bar chart of examples/second per model and policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    width = 0.8 / len(policies)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, policy in enumerate(policies):
+        values = [next((r["examples_per_second"] for r in rows if r["model"] == n and r["policy"] == policy), 0)
+                  for n in names]
+        ax.bar(np.arange(len(names)) + i * width, values, width, label=policy)
+    ax.set_xticks(np.arange(len(names)) + width * (len(policies) - 1) / 2, names)
+    ax.set_ylabel("training examples / second")
+    ax.set_title(f"tfmp bench: {device_name()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
