@@ -20,7 +20,7 @@ from tfmp import benchlib, precision  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["cnn", "resnet", "lstm", "transformer"], "Models to benchmark.")
 flags.DEFINE_list("policies", ["float32", "mixed_bfloat16", "mixed_float16"], "Policies to compare.")
-flags.DEFINE_integer("batch_size", 128, "Global batch size.")
+flags.DEFINE_integer("batch_size", 256, "Global batch size.")
 flags.DEFINE_integer("steps", 40, "Timed training steps per model and policy (after warm-up).")
 flags.DEFINE_integer("warmup_steps", 5, "Untimed steps first (tracing, allocation).")
 flags.DEFINE_float("budget_seconds", 60.0, "Wall-clock budget per model and policy; slower ones are cut off.")
@@ -34,38 +34,62 @@ def main(argv):
     del argv
     for policy in FLAGS.policies:
         if policy not in precision.POLICIES or policy == "auto":
-            print(f"bench: error: unknown policy {policy!r}; choose from float32, mixed_bfloat16, mixed_float16",
-                  file=sys.stderr)
+            print(
+                f"bench: error: unknown policy {policy!r}; choose from float32, mixed_bfloat16, mixed_float16",
+                file=sys.stderr,
+            )
             sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     device = benchlib.device_name()
     print(f"device: {device}")
     peaks = benchlib.matmul_peaks(FLAGS.policies, FLAGS.matmul_size)
     for policy, peak in peaks.items():
-        print(f"matmul {FLAGS.matmul_size}x{FLAGS.matmul_size} peak, {benchlib.compute_dtype(policy)}: "
-              f"{peak['flops'] / 1e9:,.1f} GFLOP/s" + (" (cut off)" if peak["cut_off"] else ""))
+        print(
+            f"matmul {FLAGS.matmul_size}x{FLAGS.matmul_size} peak, {benchlib.compute_dtype(policy)}: "
+            f"{peak['flops'] / 1e9:,.1f} GFLOP/s" + (" (cut off)" if peak["cut_off"] else "")
+        )
     rows = []
     for name in FLAGS.models:
         for policy in FLAGS.policies:
-            row = benchlib.bench_one(name, policy, FLAGS.batch_size, FLAGS.steps, FLAGS.warmup_steps,
-                                     FLAGS.budget_seconds, peaks[policy]["flops"])
+            row = benchlib.bench_one(
+                name,
+                policy,
+                FLAGS.batch_size,
+                FLAGS.steps,
+                FLAGS.warmup_steps,
+                FLAGS.budget_seconds,
+                peaks[policy]["flops"],
+            )
             rows.append(row)
             logging.info("%s", row)
     benchlib.add_speedups(rows)
     overhead = None
     if FLAGS.overhead_model:
-        policy = max((r for r in rows if r["model"] == FLAGS.overhead_model and not r["cut_off"]),
-                     key=lambda r: r["examples_per_second"], default={"policy": "float32"})["policy"]
-        overhead = benchlib.overhead(FLAGS.overhead_model, policy, FLAGS.batch_size, FLAGS.steps,
-                                     FLAGS.warmup_steps, FLAGS.overhead_repeats)
+        policy = max(
+            (r for r in rows if r["model"] == FLAGS.overhead_model and not r["cut_off"]),
+            key=lambda r: r["examples_per_second"],
+            default={"policy": "float32"},
+        )["policy"]
+        overhead = benchlib.overhead(
+            FLAGS.overhead_model, policy, FLAGS.batch_size, FLAGS.steps, FLAGS.warmup_steps, FLAGS.overhead_repeats
+        )
     table = benchlib.table(rows)
     print(table)
     if overhead:
-        print(f"overhead ({overhead['model']}, {overhead['policy']}): plain Keras {overhead['plain_median']:,.0f} "
-              f"ex/s, tfmp {overhead['tfmp_median']:,.0f} ex/s, tfmp/plain = {overhead['ratio']:.3f}")
-    result = {"device": device, "batch_size": FLAGS.batch_size, "steps": FLAGS.steps, "matmul_peaks": peaks,
-              "rows": rows, "overhead": overhead, "auto_policy": precision.resolve_policy("auto").policy,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        print(
+            f"overhead ({overhead['model']}, {overhead['policy']}): plain Keras {overhead['plain_median']:,.0f} "
+            f"ex/s, tfmp {overhead['tfmp_median']:,.0f} ex/s, tfmp/plain = {overhead['ratio']:.3f}"
+        )
+    result = {
+        "device": device,
+        "batch_size": FLAGS.batch_size,
+        "steps": FLAGS.steps,
+        "matmul_peaks": peaks,
+        "rows": rows,
+        "overhead": overhead,
+        "auto_policy": precision.resolve_policy("auto").policy,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     benchlib.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))

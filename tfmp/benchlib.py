@@ -120,8 +120,11 @@ def build_model(name, source, ds):
     entry = models.MODELS[name]
     if entry.kind == "image":
         return entry.build(source.num_classes, input_shape=source.image_shape)
-    return entry.build(source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(),
-                       sequence_length=ds.train.element_spec[0].shape[-1])
+    return entry.build(
+        source.num_classes,
+        vocab_size=ds.vectorizer.vocabulary_size(),
+        sequence_length=ds.train.element_spec[0].shape[-1],
+    )
 
 
 def time_fit(model, dataset, batch_size, steps, warmup, budget_seconds=None):
@@ -191,14 +194,29 @@ def overhead(name, policy, batch_size, steps, warmup, repeats=3):
         plain.append(time_fit(model, ds.train, batch_size, steps, warmup)[0].examples_per_second)
         keras.backend.clear_session()
         with tempfile.TemporaryDirectory() as model_dir:
-            config = training.Config(model=name, dataset=DEFAULT_DATA[kind], precision=policy, batch_size=batch_size,
-                                     epochs=1, steps_per_epoch=warmup + steps, model_dir=model_dir, verbose=0,
-                                     strategy="default", warmup_steps=warmup)
+            config = training.Config(
+                model=name,
+                dataset=DEFAULT_DATA[kind],
+                precision=policy,
+                batch_size=batch_size,
+                epochs=1,
+                steps_per_epoch=warmup + steps,
+                model_dir=model_dir,
+                verbose=0,
+                strategy="default",
+                warmup_steps=warmup,
+            )
             tfmp_rates.append(training.train_and_evaluate(config, out=open(os.devnull, "w"))["examples_per_second"])
         logging.info("overhead run: plain %.0f, tfmp %.0f ex/s", plain[-1], tfmp_rates[-1])
-    return {"model": name, "policy": policy, "plain": plain, "tfmp": tfmp_rates,
-            "plain_median": statistics.median(plain), "tfmp_median": statistics.median(tfmp_rates),
-            "ratio": statistics.median(tfmp_rates) / statistics.median(plain)}
+    return {
+        "model": name,
+        "policy": policy,
+        "plain": plain,
+        "tfmp": tfmp_rates,
+        "plain_median": statistics.median(plain),
+        "tfmp_median": statistics.median(tfmp_rates),
+        "ratio": statistics.median(tfmp_rates) / statistics.median(plain),
+    }
 
 
 def table(rows):
@@ -210,9 +228,19 @@ def table(rows):
         step = f"{r['step_ms_median']:.1f} ({r['step_ms_spread']:.1f})" if r["step_ms_median"] else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         note = " CUT OFF" if r["cut_off"] else ""
-        lines.append((r["model"], r["policy"] + note, f"{r['examples_per_second']:,.0f}", speed, step, mfu,
-                      f"{r['peak_memory_mb']:,.0f}", f"{r['input_examples_per_second']:,.0f}",
-                      f"{r['input_over_train']:.1f}x" if r["input_over_train"] else "-"))
+        lines.append(
+            (
+                r["model"],
+                r["policy"] + note,
+                f"{r['examples_per_second']:,.0f}",
+                speed,
+                step,
+                mfu,
+                f"{r['peak_memory_mb']:,.0f}",
+                f"{r['input_examples_per_second']:,.0f}",
+                f"{r['input_over_train']:.1f}x" if r["input_over_train"] else "-",
+            )
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
@@ -230,8 +258,10 @@ def plot(rows, path):
     width = 0.8 / len(policies)
     fig, ax = plt.subplots(figsize=(8, 4))
     for i, policy in enumerate(policies):
-        values = [next((r["examples_per_second"] for r in rows if r["model"] == n and r["policy"] == policy), 0)
-                  for n in names]
+        values = [
+            next((r["examples_per_second"] for r in rows if r["model"] == n and r["policy"] == policy), 0)
+            for n in names
+        ]
         ax.bar(np.arange(len(names)) + i * width, values, width, label=policy)
     ax.set_xticks(np.arange(len(names)) + width * (len(policies) - 1) / 2, names)
     ax.set_ylabel("training examples / second")

@@ -12,7 +12,7 @@ import keras
 from absl import logging
 
 import models
-from tfmp import callbacks, data, distribute, loss_scale, precision, seed
+from tfmp import callbacks, data, distribute, loop, loss_scale, precision, seed
 from tfmp.errors import UsageError
 from tfmp.heads import audit
 
@@ -45,11 +45,16 @@ class Config:
     vocab_size: int = 20000
     sequence_length: int = 64
     augment: bool = False
+    loop: str = "auto"
+    grad_accum_steps: int = 1
+    clipnorm: float | None = None
+    steps_per_execution: int = 1
     warmup_steps: int = 3  # Steps left out of the examples/second figure.
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
 
 
 DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
+LOOPS = ("auto", "fit", "custom")
 
 
 def _check_writable(path):
@@ -83,7 +88,7 @@ def write_json_atomically(path, obj):
     os.replace(tmp, path)
 
 
-def summary(config, decision, strategy, plan, source, model):
+def summary(config, decision, strategy, plan, source, model, loop_name, steps):
     """The one-screen summary printed before training."""
     lines = [
         "=" * 72,
@@ -91,7 +96,8 @@ def summary(config, decision, strategy, plan, source, model):
         f"dataset     {source.name} ({source.kind}, {source.num_classes} classes, "
         f"{source.train_size or '?'} train examples, eval on {source.test_split})",
         f"precision   {decision.policy} ({decision.reason})",
-        f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas)",
+        f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
+        f"loop {loop_name}, {config.epochs} epochs x {steps} steps",
         "batch",
         plan.table(),
         "=" * 72,
@@ -99,6 +105,89 @@ def summary(config, decision, strategy, plan, source, model):
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)
+
+
+def choose_loop(config, strategy):
+    """`fit` or `custom` for `config.loop`; refuses `fit` where Keras' fit is wrong or broken."""
+    replicas = strategy.num_replicas_in_sync
+    broken = []
+    if distribute.num_workers(strategy) > 1:
+        broken.append("Keras 3 model.fit fails under MultiWorkerMirroredStrategy (keras#20585)")
+    if config.grad_accum_steps > 1:
+        broken.append("Keras 3 gradient accumulation fails under tf.distribute (keras#20582)")
+    if config.clipnorm and replicas > 1:
+        broken.append("Keras 3 clips each replica's gradients before the cross-replica sum")
+    if config.loop == "auto":
+        return "custom" if broken else "fit"
+    if config.loop == "fit" and broken:
+        raise UsageError(f"--loop=fit cannot do this run: {broken[0]}; use --loop=custom or --loop=auto")
+    if config.loop not in LOOPS:
+        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
+    return config.loop
+
+
+def _validate(config):
+    if config.model not in models.MODELS:
+        raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
+    if config.loop not in LOOPS:
+        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
+    for name in ("epochs", "steps_per_epoch", "grad_accum_steps", "steps_per_execution"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be >= 1, got {value}")
+    if config.clipnorm is not None and config.clipnorm <= 0:
+        raise UsageError(f"--clipnorm must be > 0, got {config.clipnorm}")
+
+
+def _steps_per_epoch(config, ds, plan):
+    if config.steps_per_epoch:
+        return config.steps_per_epoch
+    if ds.source.train_size:
+        steps = ds.source.train_size // plan.effective_batch
+    else:
+        steps = int(ds.make_train().cardinality()) // plan.grad_accum_steps
+    if steps < 1:
+        raise UsageError(
+            f"an epoch of {ds.source.train_size or 'unknown'} examples holds no full update of "
+            f"{plan.effective_batch} examples; lower --batch_size or set --steps_per_epoch"
+        )
+    return steps
+
+
+def _train_fit(model, ds, strategy, config, plan, steps, verbose):
+    throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
+    model.fit(
+        ds.distribute(strategy),
+        epochs=config.epochs,
+        steps_per_epoch=steps,
+        callbacks=[throughput],
+        verbose=verbose,
+        shuffle=False,
+    )
+    test_loss, test_accuracy = model.evaluate(ds.test, verbose=0)
+    return throughput.examples_per_second, float(test_loss), float(test_accuracy)
+
+
+def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose):
+    runner = loop.Loop(model, optimizer, strategy, plan.global_batch, plan.grad_accum_steps, config.clipnorm)
+    iterator = iter(ds.distribute(strategy))
+    throughput = callbacks.Throughput(plan.effective_batch, config.warmup_steps)
+    throughput.on_train_begin()
+    for epoch in range(config.epochs):
+        progress = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss", "accuracy", "grad_norm"])
+        if verbose:
+            print(f"Epoch {epoch + 1}/{config.epochs}", flush=True)
+        totals = {"loss": 0.0, "accuracy": 0.0}
+        for step in range(steps):
+            logs = runner.train_step(iterator)
+            throughput.on_train_batch_end(step)
+            for key in totals:
+                totals[key] += float(logs[key])
+            progress.update(
+                step + 1, [(k, v / (step + 1)) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))]
+            )
+    test_loss, test_accuracy = runner.evaluate(ds.test)
+    return throughput.examples_per_second, test_loss, test_accuracy
 
 
 def train_and_evaluate(config, out=sys.stdout):
@@ -109,47 +198,44 @@ def train_and_evaluate(config, out=sys.stdout):
         out: where the summary and final line are printed.
 
     Returns:
-        The metrics dict that was written.
+        The metrics dict (written by the chief only).
 
     Raises:
         UsageError: for any bad setting, before anything is written.
     """
-    if config.model not in models.MODELS:
-        raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
+    _validate(config)
     entry = models.MODELS[config.model]
     _check_writable(config.model_dir)
-    if config.epochs < 1:
-        raise UsageError(f"--epochs must be >= 1, got {config.epochs}")
-    if config.steps_per_epoch is not None and config.steps_per_epoch < 1:
-        raise UsageError(f"--steps_per_epoch must be >= 1, got {config.steps_per_epoch}")
 
     # 1. Seed.
     seed.set_seed(config.seed, config.deterministic)
     # 2. Precision: decided once, here; everything after reads the global policy.
     decision = precision.resolve_policy(config.precision)
     precision.apply_policy(decision)
-    # 3. Strategy and the batch split.
+    # 3. Strategy, the loop that is correct under it, and the batch split.
     strategy = distribute.get_strategy(config.strategy, config.tpu)
+    loop_name = choose_loop(config, strategy)
     plan = distribute.plan_batch(
         config.batch_size,
         strategy.num_replicas_in_sync,
         config.learning_rate,
         config.lr_scaling,
         config.base_batch_size,
+        grad_accum_steps=config.grad_accum_steps,
         workers=distribute.num_workers(strategy),
     )
-    # 4. Data, batched at the global batch size.
+    # 4. Data: each replica's batch holds grad_accum_steps micro-batches.
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
     ds = data.load(
         dataset,
-        plan.global_batch,
+        plan.effective_batch,
         config.data_dir,
         kind=entry.kind,
         download=config.download,
         seed=config.seed,
         deterministic=config.deterministic,
         augment=config.augment,
-        repeat=config.steps_per_epoch is not None,
+        repeat=True,
         drop_remainder=True,
         vocab_size=config.vocab_size,
         sequence_length=config.sequence_length,
@@ -161,6 +247,7 @@ def train_and_evaluate(config, out=sys.stdout):
             + ", ".join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)
             + ")"
         )
+    steps = _steps_per_epoch(config, ds, plan)
     # 5. Model and optimizer, built inside the strategy's scope.
     with strategy.scope():
         if entry.kind == "image":
@@ -171,59 +258,60 @@ def train_and_evaluate(config, out=sys.stdout):
                 vocab_size=ds.vectorizer.vocabulary_size(),
                 sequence_length=config.sequence_length,
             )
-        optimizer = loss_scale.wrap_optimizer(
-            keras.optimizers.Adam(plan.learning_rate),
-            config.loss_scale_initial,
-            config.loss_scale_growth_steps,
-        )
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+        inner = keras.optimizers.Adam(plan.learning_rate, global_clipnorm=config.clipnorm)
+        optimizer = loss_scale.wrap_optimizer(inner, config.loss_scale_initial, config.loss_scale_growth_steps)
+        if loop_name == "fit":
+            model.compile(
+                optimizer=optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(),
+                metrics=["accuracy"],
+                steps_per_execution=config.steps_per_execution,
+            )
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    print(summary(config, decision, strategy, plan, ds.source, model), file=out, flush=True)
+    print(summary(config, decision, strategy, plan, ds.source, model, loop_name, steps), file=out, flush=True)
 
-    # 6. Train.
+    # 6. Train; 7. evaluate on every test example.
     os.makedirs(config.model_dir, exist_ok=True)
-    throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     start = time.perf_counter()
-    model.fit(
-        ds.distribute(strategy),
-        epochs=config.epochs,
-        steps_per_epoch=config.steps_per_epoch,
-        callbacks=[throughput],
-        verbose=verbose,
-        shuffle=False,
-    )
+    if loop_name == "fit":
+        rate, test_loss, test_accuracy = _train_fit(model, ds, strategy, config, plan, steps, verbose)
+    else:
+        rate, test_loss, test_accuracy = _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose)
     train_seconds = time.perf_counter() - start
-    # 7. Evaluate and record.
-    test_loss, test_accuracy = model.evaluate(ds.test, verbose=0)
     metrics = {
         "model": config.model,
         "dataset": ds.source.name,
         "test_split": ds.source.test_split,
-        "test_accuracy": float(test_accuracy),
-        "test_loss": float(test_loss),
+        "test_accuracy": test_accuracy,
+        "test_loss": test_loss,
         "policy": decision.policy,
         "policy_reason": decision.reason,
         "strategy": distribute.strategy_name(strategy),
+        "loop": loop_name,
         "replicas": strategy.num_replicas_in_sync,
+        "workers": plan.workers,
         "global_batch_size": plan.global_batch,
         "per_replica_batch_size": plan.per_replica,
+        "grad_accum_steps": plan.grad_accum_steps,
+        "effective_batch_size": plan.effective_batch,
         "learning_rate": plan.learning_rate,
-        "examples_per_second": throughput.examples_per_second,
+        "examples_per_second": rate,
         "train_seconds": train_seconds,
         "epochs": config.epochs,
+        "steps_per_epoch": steps,
         "steps": int(optimizer.iterations.numpy()),
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
         "seed": config.seed,
     }
+    path = os.path.join(config.model_dir, "metrics.json")
     if distribute.is_chief(strategy):
-        write_json_atomically(os.path.join(config.model_dir, "metrics.json"), metrics)
+        write_json_atomically(path, metrics)
     print(
-        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  "
-        f"({throughput.examples_per_second:,.0f} train examples/s; "
-        f"metrics in {os.path.join(config.model_dir, 'metrics.json')})",
+        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s"
+        + (f"; metrics in {path})" if distribute.is_chief(strategy) else ")"),
         file=out,
         flush=True,
     )

@@ -119,13 +119,19 @@ def build(
     buffer = min(source.train_size or 10_000, 10_000)
 
     def make_train(input_context=None):
-        ds, batch = train, global_batch
+        ds, batch, shards, index = train, global_batch, 1, 0
         if input_context is not None:
-            ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+            shards, index = input_context.num_input_pipelines, input_context.input_pipeline_id
             batch = input_context.get_per_replica_batch_size(global_batch)
+        if shards > 1 and not source.in_memory:
+            ds = ds.shard(shards, index)  # Large data: this worker reads and keeps only its part.
         ds = prepare(ds).cache().shuffle(buffer, seed=seed, reshuffle_each_iteration=True)
         if repeat:
             ds = ds.repeat()
+        if shards > 1 and source.in_memory:
+            # Small data: every worker walks the same seeded order and keeps every n-th
+            # example, so each global batch holds the examples a single device would see.
+            ds = ds.shard(shards, index)
         if augment and source.kind == "image":
             ds = tf.data.Dataset.zip((ds, tf.data.Dataset.random(seed=seed).batch(2))).map(
                 lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE

@@ -37,6 +37,8 @@ class Source:
         image_shape: (height, width, channels) for images, else None.
         train_size: number of training examples, when known.
         test_split: the name of the split used for evaluation.
+        in_memory: the whole dataset is in memory (shipped or synthetic), so every
+            worker can read all of it; TFDS datasets are sharded before reading.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Source:
     image_shape: tuple | None = None
     train_size: int | None = None
     test_split: str = "test"
+    in_memory: bool = False
 
 
 def _digits():
@@ -56,7 +59,7 @@ def _digits():
             {"image": arrays[f"{name}_image"], "label": arrays[f"{name}_label"].astype(np.int64)}
         )
 
-    source = Source("digits", "image", "image", 10, (28, 28, 1), len(arrays["train_label"]))
+    source = Source("digits", "image", "image", 10, (28, 28, 1), len(arrays["train_label"]), in_memory=True)
     return source, split("train"), split("test")
 
 
@@ -69,7 +72,7 @@ def _sentiment():
         return tf.data.Dataset.from_tensor_slices({"sentence": list(sentences), "label": labels}), len(labels)
 
     (train, n), (test, _) = split("train"), split("validation")
-    return Source("sentiment", "text", "sentence", 2, None, n, "validation"), train, test
+    return Source("sentiment", "text", "sentence", 2, None, n, "validation", in_memory=True), train, test
 
 
 def synthetic(kind, num_examples=512, image_shape=(28, 28, 1), num_classes=10, seed=0):
@@ -81,14 +84,14 @@ def synthetic(kind, num_examples=512, image_shape=(28, 28, 1), num_classes=10, s
     if kind == "image":
         images = rng.integers(0, 256, size=(num_examples, *image_shape), dtype=np.uint8)
         labels = images.reshape(num_examples, -1)[:, :16].sum(axis=1) % num_classes
-        source = Source(SYNTHETIC, "image", "image", num_classes, tuple(image_shape), num_examples)
+        source = Source(SYNTHETIC, "image", "image", num_classes, tuple(image_shape), num_examples, in_memory=True)
         feature = {"image": images}
     else:
         words = np.array([f"w{i}" for i in range(200)])
         tokens = rng.integers(0, len(words), size=(num_examples, 12))
         labels = tokens[:, 0] % num_classes
         feature = {"text": [" ".join(words[t]) for t in tokens]}
-        source = Source(SYNTHETIC, "text", "text", num_classes, None, num_examples)
+        source = Source(SYNTHETIC, "text", "text", num_classes, None, num_examples, in_memory=True)
     ds = tf.data.Dataset.from_tensor_slices({**feature, "label": labels.astype(np.int64)})
     cut = num_examples * 7 // 8
     return source, ds.take(cut), ds.skip(cut)

@@ -1,0 +1,142 @@
+"""The custom loop: same weights on 1 replica, 2 replicas and 2 worker processes; gradient
+accumulation; clipping over all-reduced gradients; overflow on one replica."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny
+from conftest import REPO
+
+from tfmp import loop
+
+STEPS, BATCH = 5, 32
+
+
+@pytest.fixture(scope="module")
+def init():
+    keras.utils.set_random_seed(0)
+    model, _ = tiny.build(tf.distribute.get_strategy())
+    return [w.numpy() for w in model.weights]
+
+
+@pytest.fixture(scope="module")
+def one_replica(init):
+    return tiny.train(tf.distribute.get_strategy(), init, STEPS, BATCH)[0]
+
+
+def assert_same(a, b, atol=1e-5):
+    """Equal up to float32 summation order (Adam divides tiny gradient differences by tiny
+    second moments, so 1e-6 drifts are expected after a few steps; real bugs move weights by
+    1e-3 and more)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+
+
+def test_training_moves_weights(init, one_replica):
+    assert max(np.abs(a - b).max() for a, b in zip(init, one_replica, strict=True)) > 1e-3
+
+
+def test_two_replicas_match_one(mirrored, init, one_replica):
+    assert_same(tiny.train(mirrored, init, STEPS, BATCH)[0], one_replica)
+
+
+def test_grad_accumulation_matches_full_batch(mirrored, init, one_replica):
+    assert_same(tiny.train(tf.distribute.get_strategy(), init, STEPS, BATCH // 2, grad_accum_steps=2)[0], one_replica)
+    assert_same(tiny.train(mirrored, init, STEPS, BATCH // 2, grad_accum_steps=2)[0], one_replica)
+
+
+def test_clipping_over_replicas_matches_one_replica(mirrored, init, one_replica):
+    clipped_one = tiny.train(tf.distribute.get_strategy(), init, STEPS, BATCH, clipnorm=0.05)[0]
+    clipped_two = tiny.train(mirrored, init, STEPS, BATCH, clipnorm=0.05)[0]
+    assert_same(clipped_two, clipped_one)
+    # The clip was active: the clipped run differs from the unclipped one.
+    assert max(np.abs(a - b).max() for a, b in zip(clipped_one, one_replica, strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("bad_replica", [0, 1])
+def test_overflow_on_one_replica_skips_everywhere(mirrored, bad_replica):
+    keras.config.set_dtype_policy("mixed_float16")
+    with mirrored.scope():
+        model, optimizer = tiny.build(mirrored, schedule=True)
+    runner = loop.Loop(model, optimizer, mirrored, BATCH)
+    iterator = iter(tiny.dataset(BATCH).distribute(mirrored))
+    runner.train_step(iterator)
+    before = [w.numpy() for w in model.weights]
+    lr_before = float(optimizer.learning_rate)
+    scale_before = float(optimizer.dynamic_scale.numpy())
+    model.get_layer("inject").bad_replica.assign(bad_replica)
+    logs = runner.train_step(iterator)
+    assert not np.isfinite(float(logs["grad_norm"]))
+    assert_same([w.numpy() for w in model.weights], before, atol=0)
+    for w in model.trainable_weights:
+        local = mirrored.experimental_local_results(w.value)
+        np.testing.assert_array_equal(local[0].numpy(), local[1].numpy())
+    assert int(optimizer.iterations.numpy()) == 1
+    assert float(optimizer.learning_rate) == lr_before  # The schedule did not advance.
+    assert float(optimizer.dynamic_scale.numpy()) == scale_before / 2
+    model.get_layer("inject").bad_replica.assign(-1)
+    runner.train_step(iterator)
+    assert int(optimizer.iterations.numpy()) == 2 and float(optimizer.learning_rate) < lr_before
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+def _free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_workers(args_for, n=2, cwd=REPO):
+    """Starts n worker processes of one cluster on 127.0.0.1; returns them."""
+    workers = [f"127.0.0.1:{p}" for p in _free_ports(n)]
+    processes = []
+    for index in range(n):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, *args_for(index)],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return processes
+
+
+def wait_all(processes, timeout=300):
+    results = []
+    try:
+        for p in processes:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in processes:
+            p.kill()
+    return results
+
+
+def test_two_worker_processes_match_one_replica(tmp_path, init, one_replica):
+    np.savez(tmp_path / "init.npz", *init)
+    script = os.path.join(REPO, "tests", "tiny.py")
+    processes = start_workers(
+        lambda i: [script, str(tmp_path / "init.npz"), str(tmp_path / f"w{i}.npz"), str(STEPS), str(BATCH)]
+    )
+    for code, _, err in wait_all(processes):
+        assert code == 0, err[-3000:]
+    for i in range(2):
+        assert_same(list(np.load(tmp_path / f"w{i}.npz").values()), one_replica)
