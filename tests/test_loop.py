@@ -140,3 +140,35 @@ def test_two_worker_processes_match_one_replica(tmp_path, init, one_replica):
         assert code == 0, err[-3000:]
     for i in range(2):
         assert_same(list(np.load(tmp_path / f"w{i}.npz").values()), one_replica)
+
+
+def test_two_worker_train_binary(tmp_path):
+    model_dir = tmp_path / "run"
+    flags = [
+        "--strategy=multi_worker",
+        "--dataset=synthetic",
+        "--epochs=1",
+        "--steps_per_epoch=3",
+        "--batch_size=16",
+        f"--model_dir={model_dir}",
+        "--precision=float32",
+    ]
+    results = wait_all(start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags]))
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    fingerprints = [
+        line.split("weights ")[1][:12]
+        for _, out, _ in results
+        for line in out.splitlines()
+        if line.startswith("test accuracy")
+    ]
+    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    assert "loop custom" in results[0][1] and "2 replicas" in results[0][1]
+    assert sorted(p.name for p in model_dir.iterdir()) == ["metrics.json"]
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert (
+        metrics["workers"] == 2
+        and metrics["loop"] == "custom"
+        and metrics["weights_sha256"].startswith(fingerprints[0])
+    )
+    assert "tfmp-worker-" in results[1][1]  # The other worker wrote to its temporary place.

@@ -1,6 +1,7 @@
 """Pick a tf.distribute strategy, and split a global batch and learning rate across it."""
 
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -24,6 +25,16 @@ def _tf_config_workers():
     except (json.JSONDecodeError, AttributeError) as e:
         raise UsageError(f"TF_CONFIG is not valid JSON ({e}); see BUILD.md for its form") from e
     return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+
+
+def _tpu_present():
+    """Whether this host has a TPU: visible TPU devices, a TPU VM's /dev/accel0 or vfio
+    devices, or the variables Colab and Cloud TPU set. Starts nothing."""
+    if os.environ.get("COLAB_TPU_ADDR") or os.environ.get("TPU_NAME"):
+        return True
+    if os.path.exists("/dev/accel0") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    return bool(tf.config.list_logical_devices("TPU"))
 
 
 def _tpu_strategy(tpu):
@@ -64,8 +75,8 @@ def get_strategy(name="auto", tpu=None):
     """Returns a `tf.distribute.Strategy`; never None.
 
     Args:
-        name: `auto` (TF_CONFIG with several workers -> multi_worker; else a TPU ->
-            tpu; else 2+ GPUs -> mirrored; else 1 GPU -> one_device; else default),
+        name: `auto` (TF_CONFIG with several workers -> multi_worker; else a TPU (or
+            `tpu` given) -> tpu; else 2+ GPUs -> mirrored; else 1 GPU -> one_device; else default),
             `default`, `one_device`, `mirrored`, `multi_worker` (from TF_CONFIG), `tpu`.
         tpu: for `tpu` (and `auto`): "local" for a Colab or Cloud TPU VM, or a TPU
             name or grpc:// address.
@@ -78,7 +89,7 @@ def get_strategy(name="auto", tpu=None):
     if name == "auto":
         if _tf_config_workers() > 1:
             name = "multi_worker"
-        elif tpu or tf.config.list_logical_devices("TPU"):
+        elif tpu or _tpu_present():
             name = "tpu"
         elif len(tf.config.list_logical_devices("GPU")) > 1:
             name = "mirrored"

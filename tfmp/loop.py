@@ -45,13 +45,17 @@ class Loop:
         grad_accum_steps: micro-steps per update; each replica's batch holds
             `grad_accum_steps` micro-batches, which it splits.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
+        steps_per_execution: updates per compiled call of `train_steps` (TPUs: fewer
+            host round trips).
 
     Example:
         >>> loop = Loop(model, optimizer, strategy, global_batch=128)
         >>> logs = loop.train_step(iterator)   # {"loss", "accuracy", "grad_norm", ...}
     """
 
-    def __init__(self, model, optimizer, strategy, global_batch, grad_accum_steps=1, clipnorm=None):
+    def __init__(
+        self, model, optimizer, strategy, global_batch, grad_accum_steps=1, clipnorm=None, steps_per_execution=1
+    ):
         self.model = model
         self.optimizer = prepare_optimizer(optimizer, clipnorm)
         self.strategy = strategy
@@ -62,7 +66,9 @@ class Loop:
         if not optimizer.built:  # Its slots must exist before the step traces a cond around them.
             with strategy.scope():
                 optimizer.build(model.trainable_variables)
+        self.steps_per_execution = steps_per_execution
         self.train_step = tf.function(self._train_step)
+        self.train_steps = tf.function(self._train_steps)
         self.eval_step = tf.function(self._eval_step)
 
     def _micro_grads(self, x, y, weights):
@@ -119,6 +125,13 @@ class Loop:
             "count": sums["count"],
             "grad_norm": grad_norm,
         }
+
+    def _train_steps(self, iterator):
+        """`steps_per_execution` updates in one call; returns the last one's logs."""
+        logs = self._train_step(iterator)
+        for _ in tf.range(self.steps_per_execution - 1):
+            logs = self._train_step(iterator)
+        return logs
 
     def _replica_eval(self, x, y):
         probs = self.model(x, training=False)

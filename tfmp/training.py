@@ -1,7 +1,8 @@
-"""A whole training run as plain steps: seed, precision, strategy, data, model, train, evaluate."""
+"""A whole training run as plain steps: strategy, seed, precision, data, model, train, evaluate."""
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -9,6 +10,7 @@ import tempfile
 import time
 
 import keras
+import numpy as np
 from absl import logging
 
 import models
@@ -86,6 +88,14 @@ def write_json_atomically(path, obj):
         json.dump(obj, f, indent=2, sort_keys=True)
         tmp = f.name
     os.replace(tmp, path)
+
+
+def weights_fingerprint(model):
+    """SHA-256 of every weight's bytes: equal exactly when two runs end with the same weights."""
+    digest = hashlib.sha256()
+    for weight in model.weights:
+        digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
+    return digest.hexdigest()
 
 
 def summary(config, decision, strategy, plan, source, model, loop_name, steps):
@@ -169,22 +179,35 @@ def _train_fit(model, ds, strategy, config, plan, steps, verbose):
 
 
 def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose):
-    runner = loop.Loop(model, optimizer, strategy, plan.global_batch, plan.grad_accum_steps, config.clipnorm)
+    runner = loop.Loop(
+        model,
+        optimizer,
+        strategy,
+        plan.global_batch,
+        plan.grad_accum_steps,
+        config.clipnorm,
+        config.steps_per_execution,
+    )
     iterator = iter(ds.distribute(strategy))
-    throughput = callbacks.Throughput(plan.effective_batch, config.warmup_steps)
+    spe = config.steps_per_execution
+    throughput = callbacks.Throughput(plan.effective_batch * spe, max(1, config.warmup_steps // spe))
     throughput.on_train_begin()
     for epoch in range(config.epochs):
         progress = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss", "accuracy", "grad_norm"])
         if verbose:
             print(f"Epoch {epoch + 1}/{config.epochs}", flush=True)
-        totals = {"loss": 0.0, "accuracy": 0.0}
-        for step in range(steps):
-            logs = runner.train_step(iterator)
-            throughput.on_train_batch_end(step)
+        totals, done = {"loss": 0.0, "accuracy": 0.0}, 0
+        while done < steps:
+            # Whole executions while they fit in the epoch, then single steps.
+            step_fn, n = (runner.train_steps, spe) if steps - done >= spe else (runner.train_step, 1)
+            logs = step_fn(iterator)
+            done += n
+            if n == spe:
+                throughput.on_train_batch_end(done)
             for key in totals:
-                totals[key] += float(logs[key])
+                totals[key] += float(logs[key]) * n
             progress.update(
-                step + 1, [(k, v / (step + 1)) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))]
+                done, [(k, v / done) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))]
             )
     test_loss, test_accuracy = runner.evaluate(ds.test)
     return throughput.examples_per_second, test_loss, test_accuracy
@@ -205,16 +228,21 @@ def train_and_evaluate(config, out=sys.stdout):
     """
     _validate(config)
     entry = models.MODELS[config.model]
-    _check_writable(config.model_dir)
 
-    # 1. Seed.
+    # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
+    # starts its runtime, which listing devices for the precision choice would do.
+    strategy = distribute.get_strategy(config.strategy, config.tpu)
+    # 2. Seed.
     seed.set_seed(config.seed, config.deterministic)
-    # 2. Precision: decided once, here; everything after reads the global policy.
+    # 3. Precision: decided once, here; everything after reads the global policy.
     decision = precision.resolve_policy(config.precision)
     precision.apply_policy(decision)
-    # 3. Strategy, the loop that is correct under it, and the batch split.
-    strategy = distribute.get_strategy(config.strategy, config.tpu)
+    # 4. The loop that is correct under the strategy, and the batch split.
     loop_name = choose_loop(config, strategy)
+    chief = distribute.is_chief(strategy)
+    # Only the chief writes to --model_dir; other workers write to a temporary place.
+    model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
+    _check_writable(model_dir)
     plan = distribute.plan_batch(
         config.batch_size,
         strategy.num_replicas_in_sync,
@@ -224,7 +252,7 @@ def train_and_evaluate(config, out=sys.stdout):
         grad_accum_steps=config.grad_accum_steps,
         workers=distribute.num_workers(strategy),
     )
-    # 4. Data: each replica's batch holds grad_accum_steps micro-batches.
+    # 5. Data: each replica's batch holds grad_accum_steps micro-batches.
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
     ds = data.load(
         dataset,
@@ -237,6 +265,7 @@ def train_and_evaluate(config, out=sys.stdout):
         augment=config.augment,
         repeat=True,
         drop_remainder=True,
+        static_eval=distribute.strategy_name(strategy) == "tpu",
         vocab_size=config.vocab_size,
         sequence_length=config.sequence_length,
     )
@@ -248,7 +277,7 @@ def train_and_evaluate(config, out=sys.stdout):
             + ")"
         )
     steps = _steps_per_epoch(config, ds, plan)
-    # 5. Model and optimizer, built inside the strategy's scope.
+    # 6. Model and optimizer, built inside the strategy's scope.
     with strategy.scope():
         if entry.kind == "image":
             model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
@@ -272,8 +301,8 @@ def train_and_evaluate(config, out=sys.stdout):
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
     print(summary(config, decision, strategy, plan, ds.source, model, loop_name, steps), file=out, flush=True)
 
-    # 6. Train; 7. evaluate on every test example.
-    os.makedirs(config.model_dir, exist_ok=True)
+    # 7. Train; 8. evaluate on every test example.
+    os.makedirs(model_dir, exist_ok=True)
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     start = time.perf_counter()
     if loop_name == "fit":
@@ -305,13 +334,13 @@ def train_and_evaluate(config, out=sys.stdout):
         "steps": int(optimizer.iterations.numpy()),
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
         "seed": config.seed,
+        "weights_sha256": weights_fingerprint(model),
     }
-    path = os.path.join(config.model_dir, "metrics.json")
-    if distribute.is_chief(strategy):
-        write_json_atomically(path, metrics)
+    path = os.path.join(model_dir, "metrics.json")
+    write_json_atomically(path, metrics)
     print(
-        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s"
-        + (f"; metrics in {path})" if distribute.is_chief(strategy) else ")"),
+        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s; "
+        f"weights {metrics['weights_sha256'][:12]}; metrics in {path})",
         file=out,
         flush=True,
     )

@@ -80,6 +80,7 @@ def build(
     vocab_size=20000,
     sequence_length=64,
     deterministic=True,
+    static_eval=False,
 ):
     """Builds the input pipeline for one dataset.
 
@@ -92,6 +93,8 @@ def build(
         drop_remainder: static training batch shapes (TPUs need them). The test split
             keeps its last, partial batch so every example is evaluated.
         vocab_size, sequence_length: for text, the vectorizer's settings.
+        static_eval: drop the test split's last partial batch too (TPUs compile for one
+            batch shape); otherwise every test example is evaluated.
         deterministic: keep element order fixed through parallel maps (a little
             slower); False lets tf.data hand out whichever element is ready first.
 
@@ -138,5 +141,6 @@ def build(
             )
         return ds.batch(batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE).with_options(options)
 
-    test = prepare(test).cache().batch(global_batch).prefetch(AUTOTUNE).with_options(options)
+    test = prepare(test).cache().batch(global_batch, drop_remainder=static_eval).prefetch(AUTOTUNE)
+    test = test.with_options(options)
     return Data(source, global_batch, make_train, test, vectorizer)

@@ -1,0 +1,28 @@
+"""The Colab TPU notebook's code, run on this CPU with STRATEGY = "auto"."""
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+NOTEBOOK = os.path.join(REPO, "notebooks", "colab_tpu.ipynb")
+
+
+def test_notebook_code_runs_on_cpu(tmp_path):
+    with open(NOTEBOOK) as f:
+        cells = json.load(f)["cells"]
+    source = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert 'STRATEGY = "tpu"' in source and "tpu=TPU" in source
+    script = tmp_path / "notebook.py"
+    script.write_text(source.replace('STRATEGY = "tpu"', 'STRATEGY = "auto"', 1))
+    env = {**os.environ, "TFMP_SKIP_INSTALL": "1", "TFMP_RUNS": str(tmp_path / "runs"), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    cnn = json.loads((tmp_path / "runs" / "colab_cnn" / "metrics.json").read_text())
+    lstm = json.loads((tmp_path / "runs" / "colab_lstm" / "metrics.json").read_text())
+    assert cnn["test_accuracy"] > 0.95 and lstm["test_accuracy"] > 0.75
+    assert "cnn   " in result.stdout and "lstm  " in result.stdout
