@@ -53,7 +53,14 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_integer("grad_accum_steps", 1, "Micro-batches accumulated per update (effective batch = batch x N).")
 flags.DEFINE_float("clipnorm", None, "Clip the global norm of the all-reduced, unscaled gradients.")
-flags.DEFINE_integer("steps_per_execution", 1, "Steps per compiled call (fit loop); raise it on TPUs.")
+flags.DEFINE_integer("steps_per_execution", 1, "Steps per compiled call; raise it on TPUs.")
+flags.DEFINE_integer(
+    "checkpoint_every",
+    200,
+    "Steps between checkpoints in MODEL_DIR/checkpoints (0: off). Rerunning the same command resumes from the latest.",
+)
+flags.DEFINE_integer("log_every", 10, "Steps between TensorBoard scalars in MODEL_DIR/tensorboard.")
+flags.DEFINE_string("export_dir", None, "Write model.keras and saved_model/ here after training.")
 
 
 def main(argv):

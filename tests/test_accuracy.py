@@ -15,15 +15,15 @@ SHARED = os.path.join(os.path.dirname(REPO), "shared", "datasets")
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED), reason=f"no real datasets at {SHARED}")
 
 CASES = {
-    # model, dataset, epochs, threshold
-    "cnn-digits": ("cnn", "mnist_t10k", 3, 0.97),
-    "lstm-sst2": ("lstm", "sst2", 1, 0.77),
+    # model, dataset, epochs, global batch, learning rate, threshold
+    "cnn-digits": ("cnn", "mnist_t10k", 3, 128, 1e-3, 0.97),
+    "lstm-sst2": ("lstm", "sst2", 2, 512, 3e-3, 0.77),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_real_accuracy_float32_and_bfloat16(tmp_path, case):
-    model, dataset, epochs, threshold = CASES[case]
+    model, dataset, epochs, batch, learning_rate, threshold = CASES[case]
     accuracy = {}
     for policy in ("float32", "mixed_bfloat16"):
         config = training.Config(
@@ -33,6 +33,8 @@ def test_real_accuracy_float32_and_bfloat16(tmp_path, case):
             download=False,
             precision=policy,
             epochs=epochs,
+            batch_size=batch,
+            learning_rate=learning_rate,
             seed=0,
             model_dir=str(tmp_path / policy),
             verbose=0,

@@ -164,7 +164,14 @@ def test_two_worker_train_binary(tmp_path):
     ]
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
     assert "loop custom" in results[0][1] and "2 replicas" in results[0][1]
-    assert sorted(p.name for p in model_dir.iterdir()) == ["metrics.json"]
+    assert {p.name for p in model_dir.iterdir()} == {
+        "metrics.json",
+        "history.csv",
+        "training.png",
+        "tensorboard",
+        "checkpoints",
+    }
+    assert len(list((model_dir / "checkpoints").glob("ckpt-*.index"))) == 1  # The chief's final checkpoint only.
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert (
         metrics["workers"] == 2

@@ -45,7 +45,9 @@ def test_train_binary_smoke(tmp_path):
     assert metrics["examples_per_second"] > 0
     for words in ("precision", "strategy", "per-replica batch", "global batch", "learning rate", "test accuracy"):
         assert words in result.stdout
-    assert [p.name for p in (tmp_path / "run").iterdir()] == ["metrics.json"]  # No temporary file left.
+    files = {p.name for p in (tmp_path / "run").iterdir()}
+    assert files == {"metrics.json", "history.csv", "training.png", "tensorboard", "checkpoints"}  # No temp files.
+    assert metrics["loop"] == "custom" and metrics["skipped_steps"] == 0 and metrics["peak_memory_mb"] > 0
 
 
 BAD_FLAGS = [

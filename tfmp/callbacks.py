@@ -1,8 +1,17 @@
 """Keras callbacks that show what a training run is doing."""
 
+import collections
+import csv
+import os
+import resource
 import time
 
 import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import TrainingError
 
 
 class Throughput(keras.callbacks.Callback):
@@ -49,3 +58,238 @@ class Throughput(keras.callbacks.Callback):
         """Examples/second over the timed steps; 0.0 before any step was timed."""
         times = self.step_times
         return len(times) * self.global_batch / sum(times) if times else 0.0
+
+
+def peak_memory_mb():
+    """Peak GPU memory of GPU:0 where there is one, else this process's peak resident memory."""
+    if tf.config.list_physical_devices("GPU"):
+        return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB.
+
+
+def probe_grad_norm(optimizer, strategy):
+    """Makes `optimizer.apply` record the global norm of the (unscaled) gradients it gets.
+
+    Returns the variable that holds it. Under `model.fit` with several replicas the
+    gradients an optimizer sees are each replica's own, so the value read is their mean
+    norm; tfmp's custom loop passes all-reduced gradients, so there it is the global norm.
+    """
+    with strategy.scope():
+        norm = tf.Variable(
+            0.0,
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.MEAN,
+            name="tfmp_grad_norm",
+        )
+    apply = optimizer.apply
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+    def apply_and_measure(grads, trainable_variables=None):
+        scale = optimizer.dynamic_scale if scaled and optimizer.built else 1.0
+        norm.assign(tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads if g is not None]) / scale)
+        return apply(grads, trainable_variables)
+
+    optimizer.apply = apply_and_measure
+    return norm
+
+
+def first_non_finite(variables):
+    """The path of the first variable holding a NaN or inf, or None."""
+    for v in variables:
+        if not np.isfinite(np.asarray(v.numpy(), dtype=np.float32)).all():
+            return v.path
+    return None
+
+
+HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")
+
+
+class Monitor(keras.callbacks.Callback):
+    """What mixed precision is doing, step by step: TensorBoard scalars, warnings, history.
+
+    Works as a Keras callback under `model.fit` and is driven by hand by the custom loop
+    (`on_train_batch_end(step, logs)`). Every `log_every` steps it writes, under
+    `MODEL_DIR/tensorboard`: loss, accuracy, learning rate, loss scale, skipped steps
+    (count and rate), gradient global norm, examples/second, step time and peak memory.
+    It warns once when the loss scale falls below 1 or more than `skip_warning` of the
+    recent steps were skipped. Each step's figures also go to `history.csv`.
+
+    Args:
+        model_dir: the run's directory (only the chief passes the real one).
+        optimizer: the optimizer being used (its iterations count applied updates).
+        examples_per_step: examples per training step, for examples/second.
+        log_every: steps between TensorBoard writes.
+        start_step: the step training resumes from.
+        grad_norm: a variable from `probe_grad_norm`, for loops whose logs lack it.
+        skip_warning: the fraction of skipped steps (over the last 100) that warns.
+        steps_per_call: training steps between two calls (Keras' steps_per_execution);
+            the custom loop says it in `logs["steps"]` instead.
+    """
+
+    def __init__(
+        self,
+        model_dir,
+        optimizer,
+        examples_per_step,
+        log_every=10,
+        start_step=0,
+        grad_norm=None,
+        skip_warning=0.05,
+        steps_per_call=1,
+    ):
+        super().__init__()
+        self.steps_per_call = steps_per_call
+        self.optimizer = optimizer
+        self.examples_per_step = examples_per_step
+        self.log_every = log_every
+        self.step = start_step
+        self.grad_norm = grad_norm
+        self.skip_warning = skip_warning
+        self.history_path = os.path.join(model_dir, "history.csv")
+        self.writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
+        self.rows = _read_history(self.history_path, start_step)
+        self.skipped = int(self.rows[-1]["skipped_steps"]) if self.rows else 0
+        self.recent = collections.deque(maxlen=100)  # 1 for a skipped step.
+        self.warned = set()
+        self._applied = int(optimizer.iterations.numpy())
+        self._last = time.perf_counter()
+        self._unflushed = 0
+
+    def loss_scale(self):
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return float(self.optimizer.dynamic_scale.numpy())
+        return None
+
+    def on_train_batch_end(self, batch, logs=None):
+        logs = logs or {}
+        now = time.perf_counter()
+        step_time, self._last = now - self._last, now
+        steps = int(logs.get("steps", self.steps_per_call))
+        self.step += steps
+        applied = int(self.optimizer.iterations.numpy())
+        skipped = steps - (applied - self._applied)
+        self._applied = applied
+        self.skipped += skipped
+        self.recent.extend([1] * skipped + [0] * (steps - skipped))
+        grad_norm = logs.get("grad_norm", self.grad_norm.read_value() if self.grad_norm is not None else np.nan)
+        row = {
+            "step": self.step,
+            "loss": float(logs.get("loss", np.nan)),
+            "accuracy": float(logs.get("accuracy", np.nan)),
+            "loss_scale": self.loss_scale(),
+            "learning_rate": float(tf.convert_to_tensor(self.optimizer.learning_rate)),
+            "grad_norm": float(grad_norm),
+            "skipped_steps": self.skipped,
+        }
+        self.rows.append(row)
+        self._unflushed += 1
+        self._warn(row)
+        if self.step % self.log_every < steps:
+            self._write(row, step_time / steps)
+
+    def _write(self, row, step_time):
+        with self.writer.as_default(step=self.step):
+            for key in ("loss", "accuracy", "learning_rate", "grad_norm"):
+                tf.summary.scalar(key, row[key])
+            if row["loss_scale"] is not None:
+                tf.summary.scalar("loss_scale", row["loss_scale"])
+            tf.summary.scalar("skipped_steps", row["skipped_steps"])
+            tf.summary.scalar("skipped_rate", sum(self.recent) / len(self.recent))
+            tf.summary.scalar("examples_per_second", self.examples_per_step / max(step_time, 1e-9))
+            tf.summary.scalar("step_time_ms", 1e3 * step_time)
+            tf.summary.scalar("peak_memory_mb", peak_memory_mb())
+        self.writer.flush()
+
+    def _warn(self, row):
+        scale = row["loss_scale"]
+        if scale is not None and scale < 1 and "scale" not in self.warned:
+            self.warned.add("scale")
+            logging.warning(
+                "Loss scale fell to %g at step %d: float16 gradients keep overflowing. Likely causes: a "
+                "layer whose output overflows float16 (make it dtype='float32'), a too-high learning rate, "
+                "or bad input data (NaN/inf).",
+                scale,
+                row["step"],
+            )
+        rate = sum(self.recent) / len(self.recent)
+        if len(self.recent) >= 20 and rate > self.skip_warning and "skips" not in self.warned:
+            self.warned.add("skips")
+            logging.warning(
+                "%.0f%% of the last %d steps were skipped for non-finite gradients. Likely causes: an initial "
+                "loss scale far too high (--loss_scale_initial), float16 overflow in a layer, or a learning "
+                "rate that diverges.",
+                100 * rate,
+                len(self.recent),
+            )
+
+    def flush(self):
+        """Appends the steps recorded since the last flush to history.csv (call at checkpoints)."""
+        if not self._unflushed:
+            return
+        new = not os.path.exists(self.history_path)
+        with open(self.history_path, "a", newline="") as f:
+            writer = csv.DictWriter(f, HISTORY_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(self.rows[-self._unflushed :])
+        self._unflushed = 0
+
+
+def _read_history(path, up_to_step):
+    """Rows of an earlier run's history.csv up to `up_to_step`; the file is rewritten to match."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if float(r["step"]) <= up_to_step]
+    for r in rows:
+        for key in HISTORY_FIELDS:
+            r[key] = None if r[key] in ("", "None") else float(r[key])
+        r["step"], r["skipped_steps"] = int(r["step"]), int(r["skipped_steps"])
+    with open(path, "w", newline="") as f:  # Drop steps past the checkpoint: they will be redone.
+        writer = csv.DictWriter(f, HISTORY_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+class NonFiniteGuard(keras.callbacks.Callback):
+    """Stops `model.fit` with a `TrainingError` naming the first non-finite weight.
+
+    A non-finite loss stops training unless a loss scale can still absorb it (float16
+    with the scale at 1 or more: that step was skipped and the scale halved).
+    """
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer = optimizer
+
+    def on_train_batch_end(self, batch, logs=None):
+        message = non_finite_message((logs or {}).get("loss", 0.0), self.optimizer, self.model)
+        if message:
+            raise TrainingError(message)
+
+
+def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None):
+    """Why training must stop, or None when it may go on."""
+    if np.isfinite(float(loss)):
+        return None
+    scale = None
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scale = float(optimizer.dynamic_scale.numpy())
+        if scale >= 1.0:
+            return None  # Skipped; the scale halves. Monitor warns if this keeps happening.
+    where = f" at step {step}" if step is not None else ""
+    culprit = first_non_finite(model.weights)
+    if culprit:
+        detail = f"first non-finite weight: {culprit}"
+    elif bad_gradient:
+        detail = f"weights still finite; first non-finite gradient: {bad_gradient}"
+    else:
+        detail = "weights still finite: the loss itself overflowed"
+    scale_note = f" with the loss scale down to {scale:g}" if scale is not None else ""
+    return (
+        f"non-finite loss ({float(loss)}){where}{scale_note}; {detail}. Training stopped; the last "
+        "checkpoint holds finite weights. Lower --learning_rate, check the input data, or keep the layer "
+        "in float32"
+    )

@@ -1,8 +1,16 @@
-"""The one exception type that means "the user asked for something wrong"."""
+"""Exception types that end a run with one line instead of a traceback."""
 
 
 class UsageError(ValueError):
     """A bad setting from the user: the message names the value, the choices and the fix.
 
-    `train.py` prints it as one line and exits non-zero, without a traceback.
+    `train.py` prints it as one line and exits with status 2, without a traceback.
     """
+
+
+class TrainingError(RuntimeError):
+    """Training had to stop (non-finite values, a failed checkpoint write): exit status 1."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM arrived; a checkpoint was saved. Exit status 75 (temporary failure: rerun)."""

@@ -10,6 +10,7 @@ update does not advance `optimizer.iterations` nor the learning-rate schedule.
 """
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmp import distribute
@@ -50,7 +51,7 @@ class Loop:
 
     Example:
         >>> loop = Loop(model, optimizer, strategy, global_batch=128)
-        >>> logs = loop.train_step(iterator)   # {"loss", "accuracy", "grad_norm", ...}
+        >>> logs = loop.train_step(iterator)   # {"loss", "accuracy", "grad_norm", "finite", ...}
     """
 
     def __init__(
@@ -81,7 +82,8 @@ class Loop:
                 replicas = self.strategy.num_replicas_in_sync * self.grad_accum_steps
                 loss += tf.add_n(self.model.losses) / replicas
             scaled = self.optimizer.scale_loss(loss) if self._scaled else loss
-        grads = tape.gradient(scaled, weights)
+        # Dense gradients (embeddings give IndexedSlices): they are summed, reduced and checked.
+        grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, weights)]
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(probs, -1), tf.cast(y, tf.int64)), tf.float32))
         return grads, tf.reduce_sum(per_example), correct
 
@@ -102,12 +104,14 @@ class Loop:
             grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
         scale = self.optimizer.dynamic_scale if self._scaled else 1.0
         grad_norm = tf.linalg.global_norm([tf.cast(g, tf.float32) / scale for g in grads])
+        finite = tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
         self.optimizer.apply(grads, weights)
         return {
             "loss_sum": loss_sum,
             "correct": correct,
             "count": tf.cast(tf.shape(y)[0], tf.float32),
             "grad_norm": grad_norm,
+            "finite": finite,
         }
 
     def _train_step(self, iterator):
@@ -117,13 +121,13 @@ class Loop:
             k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, out[k], axis=None)
             for k in ("loss_sum", "correct", "count")
         }
-        # Every replica computed the same norm from the same all-reduced gradients.
-        grad_norm = self.strategy.experimental_local_results(out["grad_norm"])[0]
+        # Every replica computed the same values from the same all-reduced gradients.
+        local = {k: self.strategy.experimental_local_results(out[k])[0] for k in ("grad_norm", "finite")}
         return {
             "loss": sums["loss_sum"] / sums["count"],
             "accuracy": sums["correct"] / sums["count"],
             "count": sums["count"],
-            "grad_norm": grad_norm,
+            **local,
         }
 
     def _train_steps(self, iterator):
@@ -142,6 +146,13 @@ class Loop:
     def _eval_step(self, batch):
         out = self.strategy.run(self._replica_eval, args=batch)
         return [self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for v in out]
+
+    def first_non_finite_gradient(self, logs):
+        """The path of the first variable whose gradient was non-finite in `logs`, or None."""
+        finite = np.asarray(logs["finite"])
+        if finite.all():
+            return None
+        return self.model.trainable_variables[int(np.argmin(finite))].path
 
     def evaluate(self, dataset):
         """Loss and accuracy over every example of `dataset` (global batches)."""

@@ -1,62 +1,23 @@
 """A whole training run as plain steps: strategy, seed, precision, data, model, train, evaluate."""
 
 import contextlib
-import dataclasses
-import hashlib
-import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import keras
 import numpy as np
+import tensorflow as tf
 from absl import logging
 
 import models
-from tfmp import callbacks, data, distribute, loop, loss_scale, precision, seed
-from tfmp.errors import UsageError
+from tfmp import callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
+from tfmp.config import DEFAULT_DATASETS, LOOPS, Config, choose_loop, validate  # noqa: F401 - re-exported.
+from tfmp.errors import Preempted, TrainingError, UsageError
 from tfmp.heads import audit
-
-
-@dataclasses.dataclass
-class Config:
-    """Everything a training run depends on; `train.py` fills it from flags.
-
-    Attributes mirror the flags of `train.py`; see `python train.py --help`.
-    """
-
-    model: str = "cnn"
-    dataset: str | None = None  # None: the shipped sample for the model's input kind.
-    data_dir: str | None = None
-    download: bool = True
-    precision: str = "auto"
-    strategy: str = "auto"
-    tpu: str | None = None
-    batch_size: int = 128
-    epochs: int = 3
-    steps_per_epoch: int | None = None
-    learning_rate: float = 1e-3
-    lr_scaling: str = "none"
-    base_batch_size: int | None = None
-    seed: int = 0
-    deterministic: bool = False
-    model_dir: str = "runs/default"
-    loss_scale_initial: float = 2.0**15
-    loss_scale_growth_steps: int = 2000
-    vocab_size: int = 20000
-    sequence_length: int = 64
-    augment: bool = False
-    loop: str = "auto"
-    grad_accum_steps: int = 1
-    clipnorm: float | None = None
-    steps_per_execution: int = 1
-    warmup_steps: int = 3  # Steps left out of the examples/second figure.
-    verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
-
-
-DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
-LOOPS = ("auto", "fit", "custom")
 
 
 def _check_writable(path):
@@ -81,74 +42,6 @@ def _check_writable(path):
                 os.rmdir(directory)
 
 
-def write_json_atomically(path, obj):
-    """Writes `obj` as JSON to `path` via a temporary file and a rename: never half-written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        tmp = f.name
-    os.replace(tmp, path)
-
-
-def weights_fingerprint(model):
-    """SHA-256 of every weight's bytes: equal exactly when two runs end with the same weights."""
-    digest = hashlib.sha256()
-    for weight in model.weights:
-        digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
-    return digest.hexdigest()
-
-
-def summary(config, decision, strategy, plan, source, model, loop_name, steps):
-    """The one-screen summary printed before training."""
-    lines = [
-        "=" * 72,
-        f"model       {config.model} ({model.count_params():,} parameters)",
-        f"dataset     {source.name} ({source.kind}, {source.num_classes} classes, "
-        f"{source.train_size or '?'} train examples, eval on {source.test_split})",
-        f"precision   {decision.policy} ({decision.reason})",
-        f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
-        f"loop {loop_name}, {config.epochs} epochs x {steps} steps",
-        "batch",
-        plan.table(),
-        "=" * 72,
-    ]
-    if decision.warning:
-        lines.insert(-1, f"WARNING     {decision.warning}")
-    return "\n".join(lines)
-
-
-def choose_loop(config, strategy):
-    """`fit` or `custom` for `config.loop`; refuses `fit` where Keras' fit is wrong or broken."""
-    replicas = strategy.num_replicas_in_sync
-    broken = []
-    if distribute.num_workers(strategy) > 1:
-        broken.append("Keras 3 model.fit fails under MultiWorkerMirroredStrategy (keras#20585)")
-    if config.grad_accum_steps > 1:
-        broken.append("Keras 3 gradient accumulation fails under tf.distribute (keras#20582)")
-    if config.clipnorm and replicas > 1:
-        broken.append("Keras 3 clips each replica's gradients before the cross-replica sum")
-    if config.loop == "auto":
-        return "custom" if broken else "fit"
-    if config.loop == "fit" and broken:
-        raise UsageError(f"--loop=fit cannot do this run: {broken[0]}; use --loop=custom or --loop=auto")
-    if config.loop not in LOOPS:
-        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
-    return config.loop
-
-
-def _validate(config):
-    if config.model not in models.MODELS:
-        raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
-    if config.loop not in LOOPS:
-        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
-    for name in ("epochs", "steps_per_epoch", "grad_accum_steps", "steps_per_execution"):
-        value = getattr(config, name)
-        if value is not None and value < 1:
-            raise UsageError(f"--{name} must be >= 1, got {value}")
-    if config.clipnorm is not None and config.clipnorm <= 0:
-        raise UsageError(f"--clipnorm must be > 0, got {config.clipnorm}")
-
-
 def _steps_per_epoch(config, ds, plan):
     if config.steps_per_epoch:
         return config.steps_per_epoch
@@ -164,21 +57,43 @@ def _steps_per_epoch(config, ds, plan):
     return steps
 
 
-def _train_fit(model, ds, strategy, config, plan, steps, verbose):
+@contextlib.contextmanager
+def _sigterm_sets(event):
+    """While active, SIGTERM sets `event` instead of killing the process (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _train_fit(model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir):
     throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
+    monitor = callbacks.Monitor(
+        model_dir,
+        optimizer,
+        plan.global_batch,
+        config.log_every,
+        grad_norm=callbacks.probe_grad_norm(optimizer, strategy),
+        steps_per_call=config.steps_per_execution,
+    )
     model.fit(
         ds.distribute(strategy),
         epochs=config.epochs,
         steps_per_epoch=steps,
-        callbacks=[throughput],
         verbose=verbose,
         shuffle=False,
+        callbacks=[throughput, monitor, callbacks.NonFiniteGuard(optimizer)],
     )
+    monitor.flush()
     test_loss, test_accuracy = model.evaluate(ds.test, verbose=0)
-    return throughput.examples_per_second, float(test_loss), float(test_accuracy)
+    return throughput.examples_per_second, float(test_loss), float(test_accuracy), monitor
 
 
-def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose):
+def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir, checkpointer, start):
     runner = loop.Loop(
         model,
         optimizer,
@@ -188,45 +103,84 @@ def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose):
         config.clipnorm,
         config.steps_per_execution,
     )
-    iterator = iter(ds.distribute(strategy))
     spe = config.steps_per_execution
+    monitor = callbacks.Monitor(model_dir, optimizer, plan.effective_batch, config.log_every, start_step=start)
     throughput = callbacks.Throughput(plan.effective_batch * spe, max(1, config.warmup_steps // spe))
+    iterator = iter(ds.distribute(strategy, skip_steps=start))
+    step, total, stop = start, steps * config.epochs, threading.Event()
+
+    def save():
+        if checkpointer is None:
+            return
+        culprit = callbacks.first_non_finite(model.weights)
+        if culprit:  # Never let a non-finite state become the latest checkpoint.
+            raise TrainingError(f"non-finite weight {culprit} at step {step}; not checkpointed, training stopped")
+        checkpointer.save(step, step // steps)
+        monitor.flush()
+
     throughput.on_train_begin()
-    for epoch in range(config.epochs):
-        progress = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss", "accuracy", "grad_norm"])
-        if verbose:
-            print(f"Epoch {epoch + 1}/{config.epochs}", flush=True)
-        totals, done = {"loss": 0.0, "accuracy": 0.0}, 0
-        while done < steps:
-            # Whole executions while they fit in the epoch, then single steps.
-            step_fn, n = (runner.train_steps, spe) if steps - done >= spe else (runner.train_step, 1)
-            logs = step_fn(iterator)
-            done += n
-            if n == spe:
-                throughput.on_train_batch_end(done)
-            for key in totals:
-                totals[key] += float(logs[key]) * n
-            progress.update(
-                done, [(k, v / done) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))]
-            )
+    with _sigterm_sets(stop):
+        while step < total:
+            epoch = step // steps
+            if step % steps == 0 and verbose:
+                print(f"Epoch {epoch + 1}/{config.epochs}", flush=True)
+            progress = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss", "accuracy", "grad_norm"])
+            seen, totals = 0, {"loss": 0.0, "accuracy": 0.0}
+            while step < (epoch + 1) * steps:
+                # Whole executions while they fit in the epoch, then single steps.
+                step_fn, n = (runner.train_steps, spe) if (epoch + 1) * steps - step >= spe else (runner.train_step, 1)
+                logs = step_fn(iterator)
+                step, seen = step + n, seen + n
+                logs = {k: v.numpy() for k, v in logs.items()}
+                monitor.on_train_batch_end(step, {**logs, "steps": n})
+                if n == spe:
+                    throughput.on_train_batch_end(step)
+                message = callbacks.non_finite_message(
+                    logs["loss"], optimizer, model, runner.first_non_finite_gradient(logs), step
+                )
+                if message:
+                    raise TrainingError(message)
+                for key in totals:
+                    totals[key] += float(logs[key]) * n
+                progress.update(
+                    step - epoch * steps,
+                    [(k, v / seen) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))],
+                )
+                if stop.is_set():
+                    save()
+                    raise Preempted(
+                        f"SIGTERM at step {step}: checkpoint saved in {checkpointer.directory}; "
+                        "rerun the same command to resume"
+                        if checkpointer
+                        else f"SIGTERM at step {step}; --checkpoint_every=0, so nothing was saved"
+                    )
+                if config.checkpoint_every and step % config.checkpoint_every < n:
+                    save()
+    save()
+    monitor.flush()
     test_loss, test_accuracy = runner.evaluate(ds.test)
-    return throughput.examples_per_second, test_loss, test_accuracy
+    return throughput.examples_per_second, test_loss, test_accuracy, monitor
 
 
 def train_and_evaluate(config, out=sys.stdout):
-    """Trains `config.model` and evaluates it; writes metrics.json into `config.model_dir`.
+    """Trains `config.model` (or resumes it), evaluates it, and writes the run's files.
+
+    Into `config.model_dir` (the chief only): metrics.json, history.csv, training.png,
+    tensorboard/ and checkpoints/; into `config.export_dir`: model.keras and saved_model/.
 
     Args:
         config: a `Config`.
         out: where the summary and final line are printed.
 
     Returns:
-        The metrics dict (written by the chief only).
+        The metrics dict.
 
     Raises:
-        UsageError: for any bad setting, before anything is written.
+        UsageError: for a bad setting, before training starts.
+        TrainingError: training had to stop (non-finite values, a failed save).
+        Preempted: SIGTERM arrived; a checkpoint was saved.
     """
-    _validate(config)
+    validate(config)
     entry = models.MODELS[config.model]
 
     # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
@@ -271,13 +225,11 @@ def train_and_evaluate(config, out=sys.stdout):
     )
     if ds.source.kind != entry.kind:
         raise UsageError(
-            f"model {config.model!r} takes {entry.kind} input but dataset {dataset!r} is "
-            f"{ds.source.kind}; pick a {ds.source.kind} model ("
-            + ", ".join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)
-            + ")"
+            f"model {config.model!r} takes {entry.kind} input but dataset {dataset!r} is {ds.source.kind}; pick a "
+            f"{ds.source.kind} model ({', '.join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)})"
         )
     steps = _steps_per_epoch(config, ds, plan)
-    # 6. Model and optimizer, built inside the strategy's scope.
+    # 6. Model and optimizer, built inside the strategy's scope; resume from a checkpoint.
     with strategy.scope():
         if entry.kind == "image":
             model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
@@ -296,20 +248,34 @@ def train_and_evaluate(config, out=sys.stdout):
                 metrics=["accuracy"],
                 steps_per_execution=config.steps_per_execution,
             )
+        else:
+            optimizer.build(model.trainable_variables)
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    print(summary(config, decision, strategy, plan, ds.source, model, loop_name, steps), file=out, flush=True)
+    checkpointer, start = None, 0
+    if loop_name == "custom" and config.checkpoint_every:
+        checkpointer = checkpoint.Checkpointer(os.path.join(model_dir, "checkpoints"), model, optimizer)
+        start = min(checkpointer.restore(), steps * config.epochs)
+    print(
+        report.summary(config, decision, strategy, plan, ds.source, model, loop_name, steps, start),
+        file=out,
+        flush=True,
+    )
 
     # 7. Train; 8. evaluate on every test example.
-    os.makedirs(model_dir, exist_ok=True)
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
-    start = time.perf_counter()
+    begin = time.perf_counter()
     if loop_name == "fit":
-        rate, test_loss, test_accuracy = _train_fit(model, ds, strategy, config, plan, steps, verbose)
+        rate, test_loss, test_accuracy, monitor = _train_fit(
+            model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir
+        )
     else:
-        rate, test_loss, test_accuracy = _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose)
-    train_seconds = time.perf_counter() - start
+        rate, test_loss, test_accuracy, monitor = _train_custom(
+            model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir, checkpointer, start
+        )
+    train_seconds = time.perf_counter() - begin
+    # 9. Record: metrics.json, training.png; export.
     metrics = {
         "model": config.model,
         "dataset": ds.source.name,
@@ -331,16 +297,26 @@ def train_and_evaluate(config, out=sys.stdout):
         "train_seconds": train_seconds,
         "epochs": config.epochs,
         "steps_per_epoch": steps,
+        "resumed_from_step": start,
         "steps": int(optimizer.iterations.numpy()),
+        "skipped_steps": monitor.skipped,
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
+        "peak_memory_mb": callbacks.peak_memory_mb(),
         "seed": config.seed,
-        "weights_sha256": weights_fingerprint(model),
+        "weights_sha256": report.weights_fingerprint(model),
     }
+    if os.path.exists(monitor.history_path):
+        metrics["plot"] = report.plot_history(monitor.history_path, os.path.join(model_dir, "training.png"))
+    if config.export_dir and chief:
+        sample = next(iter(ds.test))[0][:8] if entry.kind == "image" else tf.constant(["a fine film", "dull"])
+        metrics["export"] = export.export(
+            model, config.export_dir, np.asarray(sample) if entry.kind == "image" else sample, ds.vectorizer
+        )
     path = os.path.join(model_dir, "metrics.json")
-    write_json_atomically(path, metrics)
+    report.write_json_atomically(path, metrics)
     print(
         f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s; "
-        f"weights {metrics['weights_sha256'][:12]}; metrics in {path})",
+        f"{monitor.skipped} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})",
         file=out,
         flush=True,
     )
@@ -349,9 +325,16 @@ def train_and_evaluate(config, out=sys.stdout):
 
 @contextlib.contextmanager
 def user_errors(prog):
-    """Turns a `UsageError` into one line on stderr and exit status 2, no traceback."""
+    """Ends the process with one line on stderr, no traceback, for the errors a user can act
+    on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun)."""
     try:
         yield
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except TrainingError as e:
+        print(f"{prog}: training stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except Preempted as e:
+        print(f"{prog}: preempted: {e}", file=sys.stderr, flush=True)
+        sys.exit(75)

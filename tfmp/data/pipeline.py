@@ -39,15 +39,26 @@ class Data:
         """The training batches at the global batch size, for one process."""
         return self.make_train()
 
-    def distribute(self, strategy):
+    def distribute(self, strategy, skip_steps=0):
         """Training input for `strategy`: each worker builds and reads only its own shard.
 
         Uses `distribute_datasets_from_function`, so a multi-worker or TPU-pod job reads
-        1/num_workers of the data per host, batched at the per-replica size.
+        its part of the data per host, batched at the per-replica size.
+
+        Args:
+            strategy: the run's strategy.
+            skip_steps: training steps already done (a resumed run): the seeded order is
+                replayed and that many steps' batches are skipped, so the input continues
+                exactly where the checkpoint left it.
         """
         if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
-            return self.train
-        return strategy.distribute_datasets_from_function(self.make_train)
+            return self.train.skip(skip_steps)
+
+        def dataset_fn(context):
+            per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+            return self.make_train(context).skip(skip_steps * per_pipeline)
+
+        return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def _augment(image, seed):

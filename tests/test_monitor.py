@@ -1,0 +1,138 @@
+"""Monitoring and the NaN guard: injected NaN and float16 overflow, seen where a user looks."""
+
+import glob
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import models
+from tfmp import checkpoint, training
+from tfmp.errors import TrainingError
+from tfmp.heads import classification_head
+
+
+class Poison(keras.layers.Layer):
+    """Multiplies its input by `factor` during training calls number `first` to `last`."""
+
+    def __init__(self, factor, first, last=10**9, **kwargs):
+        super().__init__(**kwargs)
+        self.factor, self.first, self.last = factor, first, last
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        if training:
+            self.calls.assign_add(1)
+        bad = tf.logical_and(self.calls >= self.first, self.calls <= self.last)
+        return x * tf.cast(tf.where(bad, self.factor, 1.0), x.dtype)
+
+
+def poisoned(factor, first, last=10**9):
+    def build(num_classes, input_shape, **_):
+        inputs = keras.Input(input_shape)
+        x = keras.layers.Flatten()(inputs)
+        x = keras.layers.Dense(32, activation="relu")(x)
+        x = Poison(factor, first, last, name="poison")(x)
+        return keras.Model(inputs, classification_head(num_classes)(x))
+
+    return models.Entry("image", build)
+
+
+def config(tmp_path, policy, **kwargs):
+    return training.Config(
+        model="poisoned",
+        dataset="synthetic",
+        precision=policy,
+        batch_size=16,
+        epochs=1,
+        steps_per_epoch=12,
+        checkpoint_every=2,
+        model_dir=str(tmp_path),
+        verbose=0,
+        **kwargs,
+    )
+
+
+def latest_checkpoint_is_finite(tmp_path, entry):
+    model = entry.build(10, input_shape=(28, 28, 1))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(model.trainable_variables)
+    ckpt = tf.train.Checkpoint(model=model)  # The model's part of the checkpoint.
+    path = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+    ckpt.restore(path).expect_partial()
+    return path, all(np.isfinite(w.numpy()).all() for w in model.weights)
+
+
+@pytest.mark.parametrize(
+    "policy, scale, stop_step, words",
+    [
+        ("float32", 2.0**15, 5, "first non-finite weight: dense"),
+        ("mixed_float16", 4.0, 7, "weights still finite; first non-finite gradient: dense"),
+    ],
+)
+def test_nan_stops_cleanly_and_keeps_a_finite_checkpoint(tmp_path, monkeypatch, policy, scale, stop_step, words):
+    entry = poisoned(float("nan"), first=stop_step if policy == "float32" else 5)
+    monkeypatch.setitem(models.MODELS, "poisoned", entry)
+    with pytest.raises(TrainingError) as e:
+        training.train_and_evaluate(config(tmp_path, policy, loss_scale_initial=scale))
+    message = str(e.value)
+    assert f"non-finite loss (nan) at step {stop_step}" in message and words in message, message
+    assert "\n" not in message
+    path, finite = latest_checkpoint_is_finite(tmp_path, entry)
+    assert path.endswith(f"ckpt-{stop_step - 1}") and finite  # Checkpoints every 2 steps.
+
+
+def _scalars(model_dir, tag):
+    values = {}
+    for event_file in glob.glob(f"{model_dir}/tensorboard/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(event_file):
+            for value in event.summary.value:
+                if value.tag == tag:
+                    values[event.step] = float(tf.make_ndarray(value.tensor))
+    return [values[k] for k in sorted(values)]
+
+
+def test_float16_overflow_shows_in_scalars_and_warns(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(models.MODELS, "poisoned", poisoned(1e6, first=3, last=8))  # 1e6 > float16's 65504.
+    caplog.set_level(logging.WARNING)
+    cfg = config(tmp_path, "mixed_float16", loss_scale_initial=2.0**10, log_every=1)
+    cfg.steps_per_epoch = 24
+    metrics = training.train_and_evaluate(cfg)
+    skipped, scale = _scalars(tmp_path, "skipped_steps"), _scalars(tmp_path, "loss_scale")
+    assert len(skipped) == len(scale) == 24
+    assert skipped[1] == 0 and skipped[7] == 6 and skipped[-1] == 6
+    assert scale[1] == 2.0**10 and scale[7] == 2.0**4 and scale[-1] == 2.0**4
+    assert _scalars(tmp_path, "skipped_rate")[-1] == pytest.approx(6 / 24)
+    assert len(_scalars(tmp_path, "grad_norm")) == 24 and len(_scalars(tmp_path, "examples_per_second")) == 24
+    assert metrics["skipped_steps"] == 6 and metrics["steps"] == 18 and metrics["final_loss_scale"] == 2.0**4
+    assert any("steps were skipped for non-finite gradients" in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "training.png").stat().st_size > 10_000
+
+
+def test_full_disk_during_a_save(tmp_path, monkeypatch):
+    saves = []
+    original = tf.train.CheckpointManager.save
+
+    def save(self, *args, **kwargs):
+        saves.append(1)
+        if len(saves) == 2:
+            raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", save)
+    cfg = training.Config(
+        dataset="synthetic", epochs=1, steps_per_epoch=6, checkpoint_every=2, model_dir=str(tmp_path), verbose=0
+    )
+    with pytest.raises(
+        TrainingError, match="saving a checkpoint .* failed .*No space left.* latest good checkpoint: .*ckpt-2"
+    ):
+        training.train_and_evaluate(cfg)
+    monkeypatch.setattr(tf.train.CheckpointManager, "save", original)
+    keras.backend.clear_session()
+    model = models.MODELS["cnn"].build(10, input_shape=(28, 28, 1))
+    optimizer = keras.optimizers.Adam()
+    assert checkpoint.Checkpointer(str(tmp_path / "checkpoints"), model, optimizer).restore() == 2

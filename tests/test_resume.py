@@ -1,0 +1,139 @@
+"""Checkpoint/resume: SIGKILL at several points and SIGTERM, then the same command resumes
+to exactly the weights of an unbroken run; corrupt and incompatible checkpoints."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO
+
+FLAGS = [
+    "--model=cnn",
+    "--epochs=2",
+    "--steps_per_epoch=12",
+    "--batch_size=32",
+    "--checkpoint_every=3",
+    "--deterministic",
+    "--precision=mixed_bfloat16",
+    "--strategy=default",
+]
+
+
+def start(model_dir, *extra):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "train.py"), *FLAGS, f"--model_dir={model_dir}", *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(process, timeout=300):
+    out, err = process.communicate(timeout=timeout)
+    return process.returncode, out, err
+
+
+def checkpoint_steps(model_dir):
+    directory = model_dir / "checkpoints"
+    if not directory.exists():
+        return []
+    return sorted(int(p.name[5:-6]) for p in directory.glob("ckpt-*.index"))
+
+
+def wait_for_checkpoint(process, model_dir, at_least, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        steps = checkpoint_steps(model_dir)
+        if steps and steps[-1] >= at_least:
+            return steps[-1]
+        if process.poll() is not None:
+            pytest.fail(f"run ended before checkpoint {at_least}: {process.stderr.read()[-2000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no checkpoint >= {at_least} within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("unbroken")
+    code, _, err = finish(start(model_dir))
+    assert code == 0, err[-3000:]
+    return json.loads((model_dir / "metrics.json").read_text())
+
+
+def test_sigkill_at_three_points_then_resume_matches_unbroken(tmp_path, unbroken):
+    model_dir = tmp_path / "run"
+    killed_after = []
+    for step in (3, 9, 15):
+        process = start(model_dir)
+        killed_after.append(wait_for_checkpoint(process, model_dir, step))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert killed_after[0] < killed_after[1] < killed_after[2] < 24
+    code, out, err = finish(start(model_dir))
+    assert code == 0, err[-3000:]
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] >= killed_after[-1]
+    assert metrics["steps"] == unbroken["steps"] == 24
+    assert metrics["weights_sha256"] == unbroken["weights_sha256"]
+    assert "resumed     from step" in out
+
+
+def test_sigterm_saves_exits_cleanly_and_resumes(tmp_path, unbroken):
+    model_dir = tmp_path / "run"
+    process = start(model_dir)
+    wait_for_checkpoint(process, model_dir, 3)
+    process.send_signal(signal.SIGTERM)
+    code, _, err = finish(process)
+    assert code == 75, err[-3000:]
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "preempted" in line]
+    assert len(lines) == 1 and "checkpoint saved" in lines[0]
+    stopped_at = int(lines[0].split("SIGTERM at step ")[1].split(":")[0])
+    assert checkpoint_steps(model_dir)[-1] == stopped_at
+    code, _, err = finish(start(model_dir))
+    assert code == 0, err[-3000:]
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == stopped_at
+    assert metrics["weights_sha256"] == unbroken["weights_sha256"]
+
+
+def test_corrupt_latest_checkpoint_is_one_line_and_previous_still_loads(tmp_path):
+    model_dir = tmp_path / "run"
+    code, _, err = finish(start(model_dir, "--epochs=1", "--steps_per_epoch=6"))
+    assert code == 0, err[-3000:]
+    steps = checkpoint_steps(model_dir)
+    assert steps[-2:] == [3, 6]
+    data = next((model_dir / "checkpoints").glob("ckpt-6.data-*"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    code, _, err = finish(start(model_dir))
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "ckpt-6" in errors[0] and "ckpt-3" in errors[0]
+    # The previous checkpoint still loads: move the broken one away and the run resumes from 3.
+    for path in (model_dir / "checkpoints").glob("ckpt-6.*"):
+        path.rename(tmp_path / path.name)
+    (model_dir / "checkpoints" / "checkpoint").write_text(
+        'model_checkpoint_path: "ckpt-3"\nall_model_checkpoint_paths: "ckpt-3"\n'
+    )
+    code, _, err = finish(start(model_dir, "--epochs=1", "--steps_per_epoch=6"))
+    assert code == 0, err[-3000:]
+    assert json.loads((model_dir / "metrics.json").read_text())["resumed_from_step"] == 3
+
+
+def test_checkpoint_of_another_model_is_one_line(tmp_path):
+    model_dir = tmp_path / "run"
+    code, _, err = finish(start(model_dir, "--epochs=1", "--steps_per_epoch=3"))
+    assert code == 0, err[-3000:]
+    code, _, err = finish(
+        start(model_dir, "--model=resnet", "--dataset=synthetic", "--epochs=1", "--steps_per_epoch=3")
+    )
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "does not load into this model" in errors[0]

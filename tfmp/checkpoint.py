@@ -1,0 +1,74 @@
+"""Periodic, atomic checkpoints of everything a resumed run needs, and their restore."""
+
+import os
+
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import TrainingError, UsageError
+
+
+class Checkpointer:
+    """Saves and restores model, optimizer (loss-scale state included), step and epoch.
+
+    TensorFlow writes each checkpoint's files under temporary names and renames them,
+    then rewrites the `checkpoint` state file atomically: an interrupted save never
+    becomes the latest, and the previous checkpoint stays loadable. The input position
+    is the step: the seeded input pipeline is advanced by that many batches on resume.
+
+    Args:
+        directory: where checkpoints go (`MODEL_DIR/checkpoints`).
+        model, optimizer: the Keras objects to save.
+        max_to_keep: how many recent checkpoints to keep.
+    """
+
+    def __init__(self, directory, model, optimizer, max_to_keep=3):
+        self.directory = directory
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_step")
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_epoch")
+        # Dropout's random state: Keras keeps it in seed generators tf.train does not track.
+        rng = [v.value for v in model.variables if v.path.endswith("seed_generator_state")]
+        self.checkpoint = tf.train.Checkpoint(
+            model=model, optimizer=optimizer, rng=rng, step=self.step, epoch=self.epoch
+        )
+        self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
+
+    def restore(self):
+        """Restores the latest checkpoint, if any. Returns the step restored (0 for none).
+
+        Raises:
+            UsageError: the latest checkpoint is corrupt or belongs to another model.
+        """
+        path = self.manager.latest_checkpoint
+        if not path:
+            return 0
+        try:
+            self.checkpoint.restore(path).assert_existing_objects_matched()
+        except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            older = [os.path.basename(p) for p in self.manager.checkpoints[:-1]]
+            raise UsageError(
+                f"checkpoint {path} does not load into this model ({type(e).__name__}: {first}); "
+                f"use a new --model_dir for a different model, or move the broken checkpoint away"
+                + (f" to resume from {older[-1]}" if older else "")
+            ) from e
+        logging.info("Resumed from %s (step %d, epoch %d)", path, int(self.step), int(self.epoch))
+        return int(self.step)
+
+    def save(self, step, epoch):
+        """Writes a checkpoint for `step`. Returns its path.
+
+        Raises:
+            TrainingError: the write failed (full disk, lost permission); the previous
+                checkpoint is still the latest.
+        """
+        self.step.assign(step)
+        self.epoch.assign(epoch)
+        try:
+            return self.manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as e:
+            latest = self.manager.latest_checkpoint or "none yet"
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise TrainingError(
+                f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
+            ) from e

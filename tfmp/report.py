@@ -1,0 +1,84 @@
+"""What a run shows and leaves behind: the summary screen, metrics.json, training.png."""
+
+import csv
+import hashlib
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from tfmp import distribute
+
+
+def summary(config, decision, strategy, plan, source, model, loop_name, steps, start_step=0):
+    """The one-screen summary printed before training."""
+    lines = [
+        "=" * 72,
+        f"model       {config.model} ({model.count_params():,} parameters)",
+        f"dataset     {source.name} ({source.kind}, {source.num_classes} classes, "
+        f"{source.train_size or '?'} train examples, eval on {source.test_split})",
+        f"precision   {decision.policy} ({decision.reason})",
+        f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
+        f"loop {loop_name}, {config.epochs} epochs x {steps} steps",
+        "batch",
+        plan.table(),
+        "=" * 72,
+    ]
+    if start_step:
+        lines.insert(-1, f"resumed     from step {start_step} of {config.epochs * steps}")
+    if decision.warning:
+        lines.insert(-1, f"WARNING     {decision.warning}")
+    return "\n".join(lines)
+
+
+def write_json_atomically(path, obj):
+    """Writes `obj` as JSON to `path` via a temporary file and a rename: never half-written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        tmp = f.name
+    os.replace(tmp, path)
+
+
+def weights_fingerprint(model):
+    """SHA-256 of every weight's bytes: equal exactly when two runs end with the same weights."""
+    digest = hashlib.sha256()
+    for weight in model.weights:
+        digest.update(np.ascontiguousarray(weight.numpy()).tobytes())
+    return digest.hexdigest()
+
+
+def plot_history(history_csv, png_path):
+    """Loss, accuracy and loss scale per step, from history.csv, into a PNG. Returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(history_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    def column(key):
+        return np.array([float(r[key]) if r[key] not in ("", "None") else np.nan for r in rows])
+
+    steps = column("step")
+    panels = [("loss", "loss"), ("accuracy", "accuracy"), ("loss_scale", "loss scale")]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7), sharex=True)
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        values = column(key)
+        ax.plot(steps, values, lw=1)
+        ax.set_ylabel(label)
+        if key == "loss_scale":
+            if np.isfinite(values).any():
+                ax.set_yscale("log", base=2)
+            else:
+                ax.text(0.5, 0.5, "no loss scale (not mixed_float16)", ha="center", va="center", transform=ax.transAxes)
+    skipped = column("skipped_steps")
+    if len(skipped) and np.nanmax(skipped) > 0:
+        axes[-1].set_title(f"{int(np.nanmax(skipped))} skipped steps", fontsize=9)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=90)
+    plt.close(fig)
+    return png_path
