@@ -3,7 +3,7 @@
 import dataclasses
 
 import models
-from tfmp import distribute
+from tfmp import distribute, precision
 from tfmp.errors import UsageError
 
 DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
@@ -76,6 +76,9 @@ def validate(config):
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
     if config.loop not in LOOPS:
         raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
+    if config.precision not in (*precision.POLICIES, precision.AUTOTUNE):
+        choices = ", ".join((*precision.POLICIES, precision.AUTOTUNE))
+        raise UsageError(f"unknown precision {config.precision!r}; choose one of {choices}")
     for name in ("epochs", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):
         value = getattr(config, name)
         if value is not None and value < 1:

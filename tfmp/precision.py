@@ -11,6 +11,7 @@ from absl import logging
 from tfmp.errors import UsageError
 
 POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+AUTOTUNE = "autotune"  # Handled by tfmp.autotune: it needs the model and data.
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from absl import logging
 
 import models
-from tfmp import callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
+from tfmp import autotune, callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
 from tfmp.config import DEFAULT_DATASETS, LOOPS, Config, choose_loop, validate  # noqa: F401 - re-exported.
 from tfmp.errors import Preempted, TrainingError, UsageError
 from tfmp.heads import audit
@@ -188,9 +188,11 @@ def train_and_evaluate(config, out=sys.stdout):
     strategy = distribute.get_strategy(config.strategy, config.tpu)
     # 2. Seed.
     seed.set_seed(config.seed, config.deterministic)
-    # 3. Precision: decided once, here; everything after reads the global policy.
-    decision = precision.resolve_policy(config.precision)
-    precision.apply_policy(decision)
+    # 3. Precision: decided once, here; everything after reads the global policy. (Autotune
+    # needs the data and the model, so it decides in step 5.)
+    if config.precision != precision.AUTOTUNE:
+        decision = precision.resolve_policy(config.precision)
+        precision.apply_policy(decision)
     # 4. The loop that is correct under the strategy, and the batch split.
     loop_name = choose_loop(config, strategy)
     chief = distribute.is_chief(strategy)
@@ -229,16 +231,22 @@ def train_and_evaluate(config, out=sys.stdout):
             f"{ds.source.kind} model ({', '.join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)})"
         )
     steps = _steps_per_epoch(config, ds, plan)
+
+    def build_model():
+        if entry.kind == "image":
+            return entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
+        return entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(),
+                           sequence_length=config.sequence_length)
+
+    if config.precision == precision.AUTOTUNE:
+        if plan.workers > 1:
+            raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
+        key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
+        decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir)
+        precision.apply_policy(decision)
     # 6. Model and optimizer, built inside the strategy's scope; resume from a checkpoint.
     with strategy.scope():
-        if entry.kind == "image":
-            model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-        else:
-            model = entry.build(
-                ds.source.num_classes,
-                vocab_size=ds.vectorizer.vocabulary_size(),
-                sequence_length=config.sequence_length,
-            )
+        model = build_model()
         inner = keras.optimizers.Adam(plan.learning_rate, global_clipnorm=config.clipnorm)
         optimizer = loss_scale.wrap_optimizer(inner, config.loss_scale_initial, config.loss_scale_growth_steps)
         if loop_name == "fit":

@@ -1,0 +1,89 @@
+"""`--precision=autotune`: time the candidate policies on the user's own model, batch and
+strategy, and keep the fastest one whose loss stays finite."""
+
+import json
+import os
+import time
+
+import keras
+import numpy as np
+from absl import logging
+
+from tfmp import benchlib, loop, loss_scale, precision
+from tfmp.precision import Decision
+
+CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
+CACHE_FILE = "autotune.json"
+
+
+def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds):
+    """Trains `warmup + steps` steps under `policy`; returns a row of figures."""
+    keras.config.set_dtype_policy(policy)
+    with strategy.scope():
+        model = build_model()
+        optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3))
+    runner = loop.Loop(model, optimizer, strategy, global_batch)
+    iterator = iter(ds.distribute(strategy))
+    times, losses, begin = [], [], time.perf_counter()
+    last = begin
+    for _ in range(warmup + steps):
+        losses.append(float(runner.train_step(iterator)["loss"]))
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+        if now - begin > budget_seconds:
+            break
+    timed = times[warmup:] if len(times) > warmup + 1 else times[1:] or times
+    finite = bool(np.isfinite(losses).all())
+    return {"policy": policy, "examples_per_second": len(timed) * global_batch / sum(timed),
+            "steps": len(times), "finite": finite, "cut_off": len(times) < warmup + steps}
+
+
+def table(rows, chosen):
+    """The trial table, for the console."""
+    lines = [f"  {'policy':15s} {'examples/s':>11s}  steps  loss finite"]
+    for r in rows:
+        mark = "  <- chosen" if r["policy"] == chosen else ""
+        note = " (cut off by the time budget)" if r["cut_off"] else ""
+        lines.append(f"  {r['policy']:15s} {r['examples_per_second']:11,.0f}  {r['steps']:5d}  "
+                     f"{'yes' if r['finite'] else 'NO':11s}{note}{mark}")
+    return "\n".join(lines)
+
+
+def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates=CANDIDATES, steps=10, warmup=3,
+             budget_seconds=20.0):
+    """Chooses the fastest candidate policy with a finite loss, or reads the cached choice.
+
+    Args:
+        key: what the choice depends on besides the device, e.g. "cnn|digits|batch=128|default".
+        build_model: builds the model under the global policy (called inside the strategy).
+        ds: the run's `Data`.
+        strategy: the run's strategy.
+        global_batch: the global batch size.
+        cache_dir: where autotune.json keeps choices per (device, key).
+        candidates, steps, warmup, budget_seconds: the trial.
+
+    Returns:
+        A `precision.Decision` (not yet applied) whose reason holds the trial table.
+    """
+    device = benchlib.device_name()
+    cache_key = f"{device}|{key}"
+    path = os.path.join(cache_dir, CACHE_FILE)
+    cache = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            cache = json.load(f)
+    if cache_key in cache:
+        entry = cache[cache_key]
+        return Decision(entry["policy"], f"autotune, cached in {path}:\n{table(entry['rows'], entry['policy'])}")
+    rows = [_trial(p, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds) for p in candidates]
+    safe = [r for r in rows if r["finite"]] or [{"policy": "float32"}]
+    chosen = max(safe, key=lambda r: r.get("examples_per_second", 0))["policy"]
+    cache[cache_key] = {"policy": chosen, "rows": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(cache, f, indent=2)
+    os.replace(path + ".tmp", path)
+    logging.info("Autotune chose %s", chosen)
+    return Decision(chosen, f"autotune, measured now:\n{table(rows, chosen)}",
+                    precision.resolve_policy(chosen).warning)
