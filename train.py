@@ -27,9 +27,13 @@ flags.DEFINE_string(
 )
 flags.DEFINE_string("data_dir", None, "Where TFDS looks for prepared datasets.")
 flags.DEFINE_bool("download", True, "Let TFDS download a registered dataset missing from --data_dir.")
-flags.DEFINE_enum("precision", "auto", [*precision.POLICIES, precision.AUTOTUNE],
-                  "Dtype policy. auto: from the hardware, with the reason; autotune: a short timed trial of each "
-                  "policy on this model, batch and strategy, cached in MODEL_DIR/autotune.json.")
+flags.DEFINE_enum(
+    "precision",
+    "auto",
+    [*precision.POLICIES, precision.AUTOTUNE],
+    "Dtype policy. auto: from the hardware, with the reason; autotune: a short timed trial of each "
+    "policy on this model, batch and strategy, cached in MODEL_DIR/autotune.json.",
+)
 flags.DEFINE_enum("strategy", "auto", list(distribute.STRATEGIES), "tf.distribute strategy.")
 flags.DEFINE_string("tpu", None, "With --strategy=tpu: 'local' (Colab/TPU VM) or a TPU name/address.")
 flags.DEFINE_integer("batch_size", 128, "GLOBAL batch size (summed over replicas).")

@@ -5,9 +5,9 @@ import json
 
 import keras
 import pytest
+from test_monitor import Poison
 
 import models
-from test_monitor import Poison
 from tfmp import training
 from tfmp.errors import UsageError
 from tfmp.heads import classification_head
@@ -27,8 +27,17 @@ def dense_model(overflow_in_float16=False):
 
 def run(tmp_path, model="tiny"):
     out = io.StringIO()
-    config = training.Config(model=model, dataset="synthetic", precision="autotune", batch_size=32, epochs=1,
-                             steps_per_epoch=3, checkpoint_every=0, model_dir=str(tmp_path), verbose=0)
+    config = training.Config(
+        model=model,
+        dataset="synthetic",
+        precision="autotune",
+        batch_size=32,
+        epochs=1,
+        steps_per_epoch=3,
+        checkpoint_every=0,
+        model_dir=str(tmp_path),
+        verbose=0,
+    )
     return training.train_and_evaluate(config, out=out), out.getvalue()
 
 

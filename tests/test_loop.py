@@ -3,9 +3,11 @@ accumulation; clipping over all-reduced gradients; overflow on one replica."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -179,3 +181,43 @@ def test_two_worker_train_binary(tmp_path):
         and metrics["weights_sha256"].startswith(fingerprints[0])
     )
     assert "tfmp-worker-" in results[1][1]  # The other worker wrote to its temporary place.
+
+
+def test_two_workers_preempted_then_resumed(tmp_path):
+    """SIGTERM to one worker: TensorFlow's preemption handling saves on both and both exit 75;
+    rerunning the same command resumes both from the chief's checkpoint, and they agree."""
+    model_dir = tmp_path / "run"
+    flags = [
+        "--strategy=multi_worker",
+        "--dataset=synthetic",
+        "--epochs=1",
+        "--steps_per_epoch=300",
+        "--batch_size=16",
+        "--checkpoint_every=20",
+        f"--model_dir={model_dir}",
+        "--precision=float32",
+    ]
+    processes = start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags])
+    first = model_dir / "checkpoints" / "ckpt-20.index"
+    for _ in range(1200):
+        if first.exists() or any(p.poll() is not None for p in processes):
+            break
+        time.sleep(0.1)
+    processes[0].send_signal(signal.SIGTERM)
+    for code, _, err in wait_all(processes):
+        assert code == 75, err[-3000:]
+        assert "preempted: SIGTERM: checkpoint saved" in err and "Traceback" not in err
+    saved = max(int(p.name[5:-6]) for p in (model_dir / "checkpoints").glob("ckpt-*.index"))
+    assert 20 <= saved < 300
+    results = wait_all(start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags]))
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    fingerprints = [
+        line.split("weights ")[1][:12]
+        for _, out, _ in results
+        for line in out.splitlines()
+        if line.startswith("test accuracy")
+    ]
+    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] == saved and metrics["steps"] == 300

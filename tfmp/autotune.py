@@ -35,8 +35,13 @@ def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budge
             break
     timed = times[warmup:] if len(times) > warmup + 1 else times[1:] or times
     finite = bool(np.isfinite(losses).all())
-    return {"policy": policy, "examples_per_second": len(timed) * global_batch / sum(timed),
-            "steps": len(times), "finite": finite, "cut_off": len(times) < warmup + steps}
+    return {
+        "policy": policy,
+        "examples_per_second": len(timed) * global_batch / sum(timed),
+        "steps": len(times),
+        "finite": finite,
+        "cut_off": len(times) < warmup + steps,
+    }
 
 
 def table(rows, chosen):
@@ -45,13 +50,25 @@ def table(rows, chosen):
     for r in rows:
         mark = "  <- chosen" if r["policy"] == chosen else ""
         note = " (cut off by the time budget)" if r["cut_off"] else ""
-        lines.append(f"  {r['policy']:15s} {r['examples_per_second']:11,.0f}  {r['steps']:5d}  "
-                     f"{'yes' if r['finite'] else 'NO':11s}{note}{mark}")
+        lines.append(
+            f"  {r['policy']:15s} {r['examples_per_second']:11,.0f}  {r['steps']:5d}  "
+            f"{'yes' if r['finite'] else 'NO':11s}{note}{mark}"
+        )
     return "\n".join(lines)
 
 
-def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates=CANDIDATES, steps=10, warmup=3,
-             budget_seconds=20.0):
+def autotune(
+    key,
+    build_model,
+    ds,
+    strategy,
+    global_batch,
+    cache_dir,
+    candidates=CANDIDATES,
+    steps=10,
+    warmup=3,
+    budget_seconds=20.0,
+):
     """Chooses the fastest candidate policy with a finite loss, or reads the cached choice.
 
     Args:
@@ -85,5 +102,4 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
         json.dump(cache, f, indent=2)
     os.replace(path + ".tmp", path)
     logging.info("Autotune chose %s", chosen)
-    return Decision(chosen, f"autotune, measured now:\n{table(rows, chosen)}",
-                    precision.resolve_policy(chosen).warning)
+    return Decision(chosen, f"autotune, measured now:\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)

@@ -28,6 +28,7 @@ flags.DEFINE_integer("matmul_size", 2048, "Square matmul size for the peak FLOP/
 flags.DEFINE_integer("overhead_repeats", 3, "Alternating runs of plain Keras vs tfmp for the overhead ratio.")
 flags.DEFINE_string("overhead_model", "cnn", "Model for the plain-Keras overhead check ('' to skip).")
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
+flags.DEFINE_bool("autotune", True, "Also run --precision=autotune's trial per model and compare its pick.")
 
 
 def main(argv):
@@ -63,6 +64,7 @@ def main(argv):
             rows.append(row)
             logging.info("%s", row)
     benchlib.add_speedups(rows)
+    choices = benchlib.policy_choices(rows, FLAGS.models, FLAGS.policies, FLAGS.batch_size) if FLAGS.autotune else []
     overhead = None
     if FLAGS.overhead_model:
         policy = max(
@@ -75,6 +77,12 @@ def main(argv):
         )
     table = benchlib.table(rows)
     print(table)
+    for c in choices:
+        print(
+            f"{c['model']}: fastest {c['fastest']}; auto -> {c['auto']} ({100 * c['auto_vs_fastest']:.1f}% of the "
+            f"fastest, {c['auto_vs_float32']:.2f}x float32); autotune -> {c['autotune']} "
+            f"({100 * c['autotune_vs_fastest']:.1f}% of the fastest, {c['autotune_vs_float32']:.2f}x float32)"
+        )
     if overhead:
         print(
             f"overhead ({overhead['model']}, {overhead['policy']}): plain Keras {overhead['plain_median']:,.0f} "

@@ -1,5 +1,6 @@
 """The measuring parts of `tfmp.bench` and `--precision=autotune`: each returns plain figures."""
 
+import functools
 import os
 import platform
 import statistics
@@ -270,3 +271,41 @@ def plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def policy_choices(rows, names, policies, batch_size):
+    """Per model: the fastest policy measured, what `auto` and `autotune` pick, and how fast
+    their picks ran in this benchmark, relative to the fastest and to float32."""
+    from tfmp import autotune, precision  # autotune imports this module.
+
+    auto = precision.resolve_policy("auto").policy
+    choices = []
+    for name in names:
+        speed = {r["policy"]: r["examples_per_second"] for r in rows if r["model"] == name}
+        keras.backend.clear_session()
+        ds = bench_data(models.MODELS[name].kind, batch_size)
+        with tempfile.TemporaryDirectory() as cache_dir:
+            tuned = autotune.autotune(
+                name,
+                functools.partial(build_model, name, ds.source, ds),
+                ds,
+                tf.distribute.get_strategy(),
+                batch_size,
+                cache_dir,
+                candidates=policies,
+            ).policy
+        fastest = max(speed, key=speed.get)
+        base = speed.get("float32") or float("nan")
+        choices.append(
+            {
+                "model": name,
+                "fastest": fastest,
+                "auto": auto,
+                "autotune": tuned,
+                "auto_vs_fastest": speed.get(auto, 0.0) / speed[fastest],
+                "autotune_vs_fastest": speed[tuned] / speed[fastest],
+                "auto_vs_float32": speed.get(auto, 0.0) / base,
+                "autotune_vs_float32": speed[tuned] / base,
+            }
+        )
+    return choices

@@ -20,10 +20,14 @@ class Checkpointer:
         directory: where checkpoints go (`MODEL_DIR/checkpoints`).
         model, optimizer: the Keras objects to save.
         max_to_keep: how many recent checkpoints to keep.
+        restore_from: where to resume from, if not `directory`: workers other than the
+            chief save to a temporary place but resume from the chief's checkpoints (a
+            filesystem all workers see), so that every worker restores the same state.
     """
 
-    def __init__(self, directory, model, optimizer, max_to_keep=3):
+    def __init__(self, directory, model, optimizer, max_to_keep=3, restore_from=None):
         self.directory = directory
+        self.restore_from = restore_from or directory
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_step")
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_epoch")
         # Dropout's random state: Keras keeps it in seed generators tf.train does not track.
@@ -39,14 +43,15 @@ class Checkpointer:
         Raises:
             UsageError: the latest checkpoint is corrupt or belongs to another model.
         """
-        path = self.manager.latest_checkpoint
+        path = tf.train.latest_checkpoint(self.restore_from)
         if not path:
             return 0
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            older = [os.path.basename(p) for p in self.manager.checkpoints[:-1]]
+            state = tf.train.get_checkpoint_state(self.restore_from)
+            older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
             raise UsageError(
                 f"checkpoint {path} does not load into this model ({type(e).__name__}: {first}); "
                 f"use a new --model_dir for a different model, or move the broken checkpoint away"

@@ -70,6 +70,21 @@ def _sigterm_sets(event):
         signal.signal(signal.SIGTERM, previous)
 
 
+def _preemption_handler(strategy, checkpointer):
+    """TensorFlow's own preemption handling where several hosts must agree on when to save
+    (multi-worker, TPU); None elsewhere, where tfmp's SIGTERM handler does it."""
+    if checkpointer is None or distribute.strategy_name(strategy) not in ("multi_worker", "tpu"):
+        return None
+
+    def exit_fn():
+        raise Preempted(f"SIGTERM: checkpoint saved in {checkpointer.directory}; rerun the same command to resume")
+
+    config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn)
+    return tf.distribute.experimental.PreemptionCheckpointHandler(
+        strategy.cluster_resolver, checkpointer.manager, termination_config=config
+    )
+
+
 def _train_fit(model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir):
     throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
     monitor = callbacks.Monitor(
@@ -118,8 +133,9 @@ def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose, 
         checkpointer.save(step, step // steps)
         monitor.flush()
 
+    handler = _preemption_handler(strategy, checkpointer)
     throughput.on_train_begin()
-    with _sigterm_sets(stop):
+    with contextlib.nullcontext() if handler else _sigterm_sets(stop):
         while step < total:
             epoch = step // steps
             if step % steps == 0 and verbose:
@@ -146,6 +162,10 @@ def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose, 
                     step - epoch * steps,
                     [(k, v / seen) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))],
                 )
+                if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
+                    checkpointer.step.assign(step)
+                    checkpointer.epoch.assign(step // steps)
+                    handler.save_checkpoint_if_preempted(checkpoint_number=step)
                 if stop.is_set():
                     save()
                     raise Preempted(
@@ -235,8 +255,9 @@ def train_and_evaluate(config, out=sys.stdout):
     def build_model():
         if entry.kind == "image":
             return entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-        return entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(),
-                           sequence_length=config.sequence_length)
+        return entry.build(
+            ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(), sequence_length=config.sequence_length
+        )
 
     if config.precision == precision.AUTOTUNE:
         if plan.workers > 1:
@@ -263,7 +284,12 @@ def train_and_evaluate(config, out=sys.stdout):
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
     checkpointer, start = None, 0
     if loop_name == "custom" and config.checkpoint_every:
-        checkpointer = checkpoint.Checkpointer(os.path.join(model_dir, "checkpoints"), model, optimizer)
+        checkpointer = checkpoint.Checkpointer(
+            os.path.join(model_dir, "checkpoints"),
+            model,
+            optimizer,
+            restore_from=os.path.join(config.model_dir, "checkpoints"),
+        )
         start = min(checkpointer.restore(), steps * config.epochs)
     print(
         report.summary(config, decision, strategy, plan, ds.source, model, loop_name, steps, start),
