@@ -135,3 +135,50 @@ def test_default_run_reaches_real_accuracy(tmp_path):
     metrics = training.train_and_evaluate(training.Config(model_dir=str(tmp_path), verbose=0))
     assert metrics["dataset"] == "digits"
     assert metrics["test_accuracy"] >= 0.97, metrics
+
+
+def test_fit_and_custom_loops_report_the_same_metrics(tmp_path):
+    common = dict(
+        dataset="synthetic",
+        precision="mixed_bfloat16",
+        batch_size=16,
+        epochs=1,
+        steps_per_epoch=4,
+        verbose=0,
+        log_every=1,
+    )
+    fit = training.train_and_evaluate(
+        training.Config(loop="fit", checkpoint_every=0, model_dir=str(tmp_path / "fit"), **common)
+    )
+    custom = training.train_and_evaluate(training.Config(loop="custom", model_dir=str(tmp_path / "custom"), **common))
+    assert fit["loop"] == "fit" and custom["loop"] == "custom"
+    assert set(fit) == set(custom) and fit["steps"] == custom["steps"] == 4
+    for run in ("fit", "custom"):  # Both loops feed the monitor: history and TensorBoard scalars.
+        assert (tmp_path / run / "history.csv").read_text().count("\n") == 5
+        assert list((tmp_path / run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize(
+    "flags, broken",
+    [
+        ({"grad_accum_steps": 2, "checkpoint_every": 0}, "keras#20582"),
+        ({"checkpoint_every": 10}, "custom loop only"),
+    ],
+)
+def test_fit_refused_where_it_is_wrong(flags, broken):
+    config = training.Config(loop="fit", **flags)
+    with pytest.raises(UsageError, match=broken):
+        training.choose_loop(config, training.distribute.get_strategy("default"))
+    assert training.choose_loop(training.Config(loop="auto", **flags), training.distribute.get_strategy()) == "custom"
+
+
+def test_fit_refused_for_clipping_over_replicas(mirrored):
+    config = training.Config(loop="fit", clipnorm=1.0, checkpoint_every=0)
+    with pytest.raises(UsageError, match="clips each replica"):
+        training.choose_loop(config, mirrored)
+    assert (
+        training.choose_loop(
+            training.Config(loop="auto", clipnorm=1.0, checkpoint_every=0), training.distribute.get_strategy()
+        )
+        == "fit"
+    )

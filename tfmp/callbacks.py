@@ -156,10 +156,13 @@ class Monitor(keras.callbacks.Callback):
         self._last = time.perf_counter()
         self._unflushed = 0
 
-    def loss_scale(self):
-        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return float(self.optimizer.dynamic_scale.numpy())
-        return None
+    def on_train_end(self, logs=None):
+        self.flush()
+
+    def loss_scale(self, logs):
+        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            return None
+        return float(logs["loss_scale"]) if "loss_scale" in logs else float(self.optimizer.dynamic_scale.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
         logs = logs or {}
@@ -167,7 +170,8 @@ class Monitor(keras.callbacks.Callback):
         step_time, self._last = now - self._last, now
         steps = int(logs.get("steps", self.steps_per_call))
         self.step += steps
-        applied = int(self.optimizer.iterations.numpy())
+        # The custom loop returns these from its compiled step; under fit they are read here.
+        applied = int(logs["iterations"]) if "iterations" in logs else int(self.optimizer.iterations.numpy())
         skipped = steps - (applied - self._applied)
         self._applied = applied
         self.skipped += skipped
@@ -177,8 +181,8 @@ class Monitor(keras.callbacks.Callback):
             "step": self.step,
             "loss": float(logs.get("loss", np.nan)),
             "accuracy": float(logs.get("accuracy", np.nan)),
-            "loss_scale": self.loss_scale(),
-            "learning_rate": float(tf.convert_to_tensor(self.optimizer.learning_rate)),
+            "loss_scale": self.loss_scale(logs),
+            "learning_rate": float(logs.get("learning_rate", tf.convert_to_tensor(self.optimizer.learning_rate))),
             "grad_norm": float(grad_norm),
             "skipped_steps": self.skipped,
         }
@@ -199,7 +203,6 @@ class Monitor(keras.callbacks.Callback):
             tf.summary.scalar("examples_per_second", self.examples_per_step / max(step_time, 1e-9))
             tf.summary.scalar("step_time_ms", 1e3 * step_time)
             tf.summary.scalar("peak_memory_mb", peak_memory_mb())
-        self.writer.flush()
 
     def _warn(self, row):
         scale = row["loss_scale"]
@@ -224,7 +227,9 @@ class Monitor(keras.callbacks.Callback):
             )
 
     def flush(self):
-        """Appends the steps recorded since the last flush to history.csv (call at checkpoints)."""
+        """Writes out TensorBoard events and appends the steps recorded since the last flush to
+        history.csv (call at checkpoints and at the end)."""
+        self.writer.flush()
         if not self._unflushed:
             return
         new = not os.path.exists(self.history_path)

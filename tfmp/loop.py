@@ -127,6 +127,10 @@ class Loop:
             "loss": sums["loss_sum"] / sums["count"],
             "accuracy": sums["correct"] / sums["count"],
             "count": sums["count"],
+            # Read here, inside the compiled step, so the host needs no extra variable reads.
+            "iterations": tf.convert_to_tensor(self.optimizer.iterations),
+            "learning_rate": tf.convert_to_tensor(self.optimizer.learning_rate),
+            "loss_scale": tf.convert_to_tensor(self.optimizer.dynamic_scale) if self._scaled else tf.constant(-1.0),
             **local,
         }
 
