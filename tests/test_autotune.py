@@ -67,3 +67,18 @@ def test_autotune_skips_a_policy_whose_loss_is_not_finite(tmp_path, monkeypatch)
 def test_unknown_precision_lists_autotune():
     with pytest.raises(UsageError, match="unknown precision 'fast'.*float32, autotune"):
         training.validate(training.Config(precision="fast"))
+
+
+def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16(tmp_path, monkeypatch):
+    from tfmp import precision
+
+    monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=("amx_bf16",)))
+    monkeypatch.setitem(models.MODELS, "tiny", dense_model())
+    config = training.Config(model="tiny", dataset="synthetic", precision="auto", batch_size=32, epochs=1,
+                             steps_per_epoch=2, checkpoint_every=0, model_dir=str(tmp_path), verbose=0)
+    metrics = training.train_and_evaluate(config, out=io.StringIO())
+    (entry,) = json.loads((tmp_path / "autotune.json").read_text()).values()
+    assert [r["policy"] for r in entry["rows"]] == ["float32", "mixed_bfloat16"]
+    assert metrics["policy"] == entry["policy"] and metrics["policy_reason"].startswith("auto: CPU with bfloat16")
+    monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(gpu_capability=(8, 0)))
+    assert precision.auto_trial_candidates() is None  # On accelerators the hardware rule decides.

@@ -331,22 +331,21 @@ def policy_choices(rows, names, policies, batch_size):
     their picks ran in this benchmark, relative to the fastest and to float32."""
     from tfmp import autotune, precision  # autotune imports this module.
 
-    auto = precision.resolve_policy("auto").policy
+    trial = precision.auto_trial_candidates()
     choices = []
     for name in names:
         speed = {r["policy"]: r["examples_per_second"] for r in rows if r["model"] == name}
         keras.backend.clear_session()
         ds = bench_data(models.MODELS[name].kind, batch_size)
-        with tempfile.TemporaryDirectory() as cache_dir:
-            tuned = autotune.autotune(
-                name,
-                functools.partial(build_model, name, ds.source, ds),
-                ds,
-                tf.distribute.get_strategy(),
-                batch_size,
-                cache_dir,
-                candidates=policies,
-            ).policy
+        with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as auto_dir:
+            build = functools.partial(build_model, name, ds.source, ds)
+            strategy = tf.distribute.get_strategy()
+            auto = (
+                autotune.autotune(name, build, ds, strategy, batch_size, auto_dir, trial).policy
+                if trial
+                else precision.resolve_policy("auto").policy
+            )
+            tuned = autotune.autotune(name, build, ds, strategy, batch_size, cache_dir, candidates=policies).policy
         fastest = max(speed, key=speed.get)
         base = speed.get("float32") or float("nan")
         choices.append(

@@ -18,7 +18,8 @@ def summary(config, decision, strategy, plan, source, model, loop_name, steps, s
         f"model       {config.model} ({model.count_params():,} parameters)",
         f"dataset     {source.name} ({source.kind}, {source.num_classes} classes, "
         f"{source.train_size or '?'} train examples, eval on {source.test_split})",
-        f"precision   {decision.policy} ({decision.reason})",
+        f"precision   {decision.policy} ({decision.reason.splitlines()[0]})",
+        *decision.reason.splitlines()[1:],  # The trial table of autotune, if any.
         f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
         f"loop {loop_name}, {config.epochs} epochs x {steps} steps",
         "batch",

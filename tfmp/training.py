@@ -210,7 +210,8 @@ def train_and_evaluate(config, out=sys.stdout):
     seed.set_seed(config.seed, config.deterministic)
     # 3. Precision: decided once, here; everything after reads the global policy. (Autotune
     # needs the data and the model, so it decides in step 5.)
-    if config.precision != precision.AUTOTUNE:
+    trial = precision.auto_trial_candidates() if config.precision == "auto" else None
+    if config.precision != precision.AUTOTUNE and not trial:
         decision = precision.resolve_policy(config.precision)
         precision.apply_policy(decision)
     # 4. The loop that is correct under the strategy, and the batch split.
@@ -259,11 +260,19 @@ def train_and_evaluate(config, out=sys.stdout):
             ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(), sequence_length=config.sequence_length
         )
 
-    if config.precision == precision.AUTOTUNE:
-        if plan.workers > 1:
+    if config.precision == precision.AUTOTUNE or trial:
+        if plan.workers > 1 and not trial:
             raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
         key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
-        decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir)
+        if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
+            decision = precision.resolve_policy("auto")
+        elif trial:
+            decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir, trial)
+            how = decision.reason[len("autotune, ") :]
+            reason = f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
+            decision = decision._replace(reason=reason)
+        else:
+            decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir)
         precision.apply_policy(decision)
     # 6. Model and optimizer, built inside the strategy's scope; resume from a checkpoint.
     with strategy.scope():
