@@ -30,12 +30,13 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
     keras.config.set_dtype_policy("float32")  # A user reloading elsewhere, under the default policy.
     loaded = tf.saved_model.load(str(tmp_path / "export" / "saved_model"))
     reloaded = keras.models.load_model(tmp_path / "export" / "model.keras")
+    (spec,) = loaded.signatures["serving_default"].structured_input_signature[1].values()
     if model == "lstm":
         sample = tf.constant(["w1 w2 w3", "w7 w9"])  # Raw strings in.
-        assert loaded.serve.structured_input_signature[0][0].dtype == tf.string
+        assert spec.dtype == tf.string
     else:
         sample = tf.random.uniform((3, 28, 28, 1))
-        assert loaded.serve.structured_input_signature[0][0].dtype == tf.float32
+        assert spec.dtype == tf.float32
     served = loaded.serve(sample)
     assert served.dtype == tf.float32 and served.shape[0] == sample.shape[0]
     np.testing.assert_allclose(served.numpy(), np.asarray(reloaded(sample)), atol=tolerance)

@@ -14,6 +14,7 @@ from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
 CACHE_FILE = "autotune.json"
+MARGIN = 0.03  # A mixed policy must beat float32 by this much in the trial to be chosen.
 
 
 def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds):
@@ -42,6 +43,22 @@ def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budge
         "finite": finite,
         "cut_off": len(times) < warmup + steps,
     }
+
+
+def choose(rows, margin=MARGIN):
+    """The fastest policy with a finite loss; float32 unless another beats it by `margin`.
+
+    A short trial measures with a few percent of noise: a mixed policy that is not clearly
+    faster is not worth its numerical risk, and keeping float32 then keeps the choice
+    from ever being slower than float32.
+    """
+    safe = {r["policy"]: r["examples_per_second"] for r in rows if r["finite"]}
+    if not safe:
+        return "float32"
+    fastest = max(safe, key=safe.get)
+    if "float32" in safe and safe[fastest] < safe["float32"] * (1 + margin):
+        return "float32"
+    return fastest
 
 
 def table(rows, chosen):
@@ -94,8 +111,7 @@ def autotune(
         entry = cache[cache_key]
         return Decision(entry["policy"], f"autotune, cached in {path}:\n{table(entry['rows'], entry['policy'])}")
     rows = [_trial(p, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds) for p in candidates]
-    safe = [r for r in rows if r["finite"]] or [{"policy": "float32"}]
-    chosen = max(safe, key=lambda r: r.get("examples_per_second", 0))["policy"]
+    chosen = choose(rows)
     cache[cache_key] = {"policy": chosen, "rows": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     os.makedirs(cache_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
