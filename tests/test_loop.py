@@ -144,6 +144,20 @@ def test_two_worker_processes_match_one_replica(tmp_path, init, one_replica):
         assert_same(list(np.load(tmp_path / f"w{i}.npz").values()), one_replica)
 
 
+def agreeing_fingerprints(results):
+    """Checks every worker of a train.py cluster succeeded and ended with the same weights."""
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    fingerprints = [
+        line.split("weights ")[1][:12]
+        for _, out, _ in results
+        for line in out.splitlines()
+        if line.startswith("test accuracy")
+    ]
+    assert len(fingerprints) == len(results) and len(set(fingerprints)) == 1
+    return fingerprints
+
+
 def test_two_worker_train_binary(tmp_path):
     model_dir = tmp_path / "run"
     flags = [
@@ -156,15 +170,7 @@ def test_two_worker_train_binary(tmp_path):
         "--precision=float32",
     ]
     results = wait_all(start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags]))
-    for code, _, err in results:
-        assert code == 0, err[-3000:]
-    fingerprints = [
-        line.split("weights ")[1][:12]
-        for _, out, _ in results
-        for line in out.splitlines()
-        if line.startswith("test accuracy")
-    ]
-    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    fingerprints = agreeing_fingerprints(results)
     assert "loop custom" in results[0][1] and "2 replicas" in results[0][1]
     assert {p.name for p in model_dir.iterdir()} == {
         "metrics.json",
@@ -210,14 +216,7 @@ def test_two_workers_preempted_then_resumed(tmp_path):
     saved = max(int(p.name[5:-6]) for p in (model_dir / "checkpoints").glob("ckpt-*.index"))
     assert 20 <= saved < 300
     results = wait_all(start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags]))
-    for code, _, err in results:
-        assert code == 0, err[-3000:]
-    fingerprints = [
-        line.split("weights ")[1][:12]
-        for _, out, _ in results
-        for line in out.splitlines()
-        if line.startswith("test accuracy")
-    ]
-    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    fingerprint = agreeing_fingerprints(results)[0]
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert metrics["resumed_from_step"] == saved and metrics["steps"] == 300
+    assert metrics["weights_sha256"].startswith(fingerprint)
