@@ -5,11 +5,9 @@ import json
 import os
 import time
 
-import keras
-import numpy as np
 from absl import logging
 
-from tfmp import benchlib, loop, loss_scale, precision
+from tfmp import benchlib, precision
 from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -19,28 +17,15 @@ MARGIN = 0.03  # A mixed policy must beat float32 by this much in the trial to b
 
 def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds):
     """Trains `warmup + steps` steps under `policy`; returns a row of figures."""
-    keras.config.set_dtype_policy(policy)
-    with strategy.scope():
-        model = build_model()
-        optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3))
-    runner = loop.Loop(model, optimizer, strategy, global_batch)
-    iterator = iter(ds.distribute(strategy))
-    times, losses, begin = [], [], time.perf_counter()
-    last = begin
-    for _ in range(warmup + steps):
-        losses.append(float(runner.train_step(iterator)["loss"]))
-        now = time.perf_counter()
-        times.append(now - last)
-        last = now
-        if now - begin > budget_seconds:
-            break
+    candidate = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
+    candidate.run(steps, warmup, time.perf_counter() + budget_seconds)
+    times = candidate.durations
     timed = times[warmup:] if len(times) > warmup + 1 else times[1:] or times
-    finite = bool(np.isfinite(losses).all())
     return {
         "policy": policy,
         "examples_per_second": len(timed) * global_batch / sum(timed),
         "steps": len(times),
-        "finite": finite,
+        "finite": candidate.finite,
         "cut_off": len(times) < warmup + steps,
     }
 

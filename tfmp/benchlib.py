@@ -138,31 +138,47 @@ def time_fit(model, dataset, batch_size, steps, warmup, budget_seconds=None):
     return timer, memory.peak, history.history["loss"][-1]
 
 
-class _Candidate:
-    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step."""
+class Candidate:
+    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step.
 
-    def __init__(self, name, policy, batch_size):
+    Shared by the benchmark and by `--precision=autotune`'s trial.
+
+    Args:
+        policy: the dtype policy to build under.
+        build_model: builds the model under the global policy (called in the strategy's scope).
+        ds: the `Data` to train on.
+        strategy: the strategy to train under.
+        global_batch: examples per step.
+    """
+
+    def __init__(self, policy, build_model, ds, strategy, global_batch):
         keras.config.set_dtype_policy(policy)
-        self.ds = bench_data(models.MODELS[name].kind, batch_size)
-        self.model = build_model(name, self.ds.source, self.ds)
-        optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3))
-        self.loop = loop.Loop(self.model, optimizer, tf.distribute.get_strategy(), batch_size)
-        self.iterator = iter(self.ds.train)
+        with strategy.scope():
+            self.model = build_model()
+            optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3))
+        self.loop = loop.Loop(self.model, optimizer, strategy, global_batch)
+        self.iterator = iter(ds.distribute(strategy))
         self.step_times, self.cut_off, self.loss, self.memory = [], False, float("nan"), 0.0
+        self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
+
+    def _step(self):
+        start = time.perf_counter()
+        self.loss = float(self.loop.train_step(self.iterator)["loss"])
+        self.durations.append(time.perf_counter() - start)
+        self.finite = self.finite and bool(np.isfinite(self.loss))
+        return self.durations[-1]
 
     def run(self, steps, warmup, deadline):
         """Runs `warmup` untimed then `steps` timed steps, stopping at `deadline`; returns
         this round's examples/second (0.0 when no step was timed)."""
         for _ in range(warmup):
-            self.loss = float(self.loop.train_step(self.iterator)["loss"])
+            self._step()
             if time.perf_counter() > deadline:
                 self.cut_off = True
                 return 0.0
         times = []
         for _ in range(steps):
-            start = time.perf_counter()
-            self.loss = float(self.loop.train_step(self.iterator)["loss"])
-            times.append(time.perf_counter() - start)
+            times.append(self._step())
             self.memory = max(self.memory, _memory_bytes())
             if time.perf_counter() > deadline:
                 self.cut_off = True
@@ -182,7 +198,8 @@ def bench_model(name, policies, batch_size, steps, warmup, budget_seconds, peaks
     kind = models.MODELS[name].kind
     ds = bench_data(kind, batch_size)
     rate_in = input_rate(ds.train, batch_size)
-    candidates = {p: _Candidate(name, p, batch_size) for p in policies}
+    build = functools.partial(build_model, name, ds.source, ds)
+    candidates = {p: Candidate(p, build, ds, tf.distribute.get_strategy(), batch_size) for p in policies}
     rates = {p: [] for p in policies}
     for _ in range(rounds):
         for policy, c in candidates.items():
