@@ -50,13 +50,6 @@ flags.DEFINE_integer("loss_scale_growth_steps", 2000, "Finite steps before the l
 flags.DEFINE_integer("vocab_size", 20000, "Text models: vocabulary size.")
 flags.DEFINE_integer("sequence_length", 64, "Text models: tokens per example.")
 flags.DEFINE_bool("augment", False, "Random crop and flip (32x32 colour images).")
-flags.DEFINE_enum(
-    "loop",
-    "auto",
-    list(training.LOOPS),
-    "fit: Keras model.fit; custom: tfmp's strategy.run loop; "
-    "auto: custom where fit is broken (multi-worker, grad accumulation, clipping over replicas).",
-)
 flags.DEFINE_integer("grad_accum_steps", 1, "Micro-batches accumulated per update (effective batch = batch x N).")
 flags.DEFINE_float("clipnorm", None, "Clip the global norm of the all-reduced, unscaled gradients.")
 flags.DEFINE_integer("steps_per_execution", 1, "Steps per compiled call; raise it on TPUs.")

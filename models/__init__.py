@@ -2,6 +2,8 @@
 
 import typing
 
+import keras
+
 from models import cnn, lstm, resnet, transformer
 
 
@@ -18,3 +20,14 @@ MODELS = {
     "lstm": Entry("text", lstm.build),
     "transformer": Entry("text", transformer.build),
 }
+
+
+def compile(model, optimizer, steps_per_execution=1):  # noqa: A001 - Keras' word for it.
+    """Compiles a bundled classifier (float32 probabilities out) with its loss and metric."""
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution,
+    )
+    return model

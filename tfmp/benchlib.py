@@ -154,16 +154,16 @@ class Candidate:
     def __init__(self, policy, build_model, ds, strategy, global_batch):
         keras.config.set_dtype_policy(policy)
         with strategy.scope():
-            self.model = build_model()
-            optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3))
-        self.loop = loop.Loop(self.model, optimizer, strategy, global_batch)
+            self.model = models.compile(build_model(), loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)))
+        self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
+        self.global_batch = global_batch
         self.iterator = iter(ds.distribute(strategy))
         self.step_times, self.cut_off, self.loss, self.memory = [], False, float("nan"), 0.0
         self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
 
     def _step(self):
         start = time.perf_counter()
-        self.loss = float(self.loop.train_step(self.iterator)["loss"])
+        self.loss = float(self.steps.train(self.iterator)["step_loss"])
         self.durations.append(time.perf_counter() - start)
         self.finite = self.finite and bool(np.isfinite(self.loss))
         return self.durations[-1]
@@ -184,7 +184,7 @@ class Candidate:
                 self.cut_off = True
                 break
         self.step_times += times
-        return len(times) * self.loop.global_batch / sum(times) if times else 0.0
+        return len(times) * self.global_batch / sum(times) if times else 0.0
 
 
 def bench_model(name, policies, batch_size, steps, warmup, budget_seconds, peaks, rounds=2):

@@ -103,6 +103,7 @@ def first_non_finite(variables):
 
 
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")
+_NOT_METRICS = {"step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale", "steps", "updates"}
 
 
 class Monitor(keras.callbacks.Callback):
@@ -152,6 +153,7 @@ class Monitor(keras.callbacks.Callback):
         self.skipped = int(self.rows[-1]["skipped_steps"]) if self.rows else 0
         self.recent = collections.deque(maxlen=100)  # 1 for a skipped step.
         self.warned = set()
+        self.metrics = {}
         self._applied = int(optimizer.iterations.numpy())
         self._last = time.perf_counter()
         self._unflushed = 0
@@ -169,13 +171,15 @@ class Monitor(keras.callbacks.Callback):
         now = time.perf_counter()
         step_time, self._last = now - self._last, now
         steps = int(logs.get("steps", self.steps_per_call))
+        updates = int(logs.get("updates", steps))  # Fewer than steps under gradient accumulation.
         self.step += steps
-        # The custom loop returns these from its compiled step; under fit they are read here.
+        # tfmp.fit returns these from its compiled step; under model.fit they are read here.
         applied = int(logs["iterations"]) if "iterations" in logs else int(self.optimizer.iterations.numpy())
-        skipped = steps - (applied - self._applied)
+        skipped = updates - (applied - self._applied)
         self._applied = applied
         self.skipped += skipped
-        self.recent.extend([1] * skipped + [0] * (steps - skipped))
+        self.recent.extend([1] * skipped + [0] * (updates - skipped))
+        self.metrics = {k: float(v) for k, v in logs.items() if k not in _NOT_METRICS and np.ndim(v) == 0}
         grad_norm = logs.get("grad_norm", self.grad_norm.read_value() if self.grad_norm is not None else np.nan)
         row = {
             "step": self.step,
@@ -194,13 +198,16 @@ class Monitor(keras.callbacks.Callback):
 
     def _write(self, row, step_time):
         with self.writer.as_default(step=self.step):
-            for key in ("loss", "accuracy", "learning_rate", "grad_norm"):
+            for key, value in self.metrics.items():  # The model's own: loss, accuracy, per-output losses...
+                tf.summary.scalar(key, value)
+            for key in ("learning_rate", "grad_norm"):
                 tf.summary.scalar(key, row[key])
             if row["loss_scale"] is not None:
                 tf.summary.scalar("loss_scale", row["loss_scale"])
             tf.summary.scalar("skipped_steps", row["skipped_steps"])
             tf.summary.scalar("skipped_rate", sum(self.recent) / len(self.recent))
-            tf.summary.scalar("examples_per_second", self.examples_per_step / max(step_time, 1e-9))
+            if self.examples_per_step:
+                tf.summary.scalar("examples_per_second", self.examples_per_step / max(step_time, 1e-9))
             tf.summary.scalar("step_time_ms", 1e3 * step_time)
             tf.summary.scalar("peak_memory_mb", peak_memory_mb())
 
@@ -239,6 +246,15 @@ class Monitor(keras.callbacks.Callback):
                 writer.writeheader()
             writer.writerows(self.rows[-self._unflushed :])
         self._unflushed = 0
+
+
+def skipped_steps(history_csv):
+    """Updates skipped for overflow over the whole run, from its history.csv (0 without one)."""
+    if not os.path.exists(history_csv):
+        return 0
+    with open(history_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return int(rows[-1]["skipped_steps"]) if rows else 0
 
 
 def _read_history(path, up_to_step):

@@ -13,8 +13,9 @@ class Checkpointer:
 
     TensorFlow writes each checkpoint's files under temporary names and renames them,
     then rewrites the `checkpoint` state file atomically: an interrupted save never
-    becomes the latest, and the previous checkpoint stays loadable. The input position
-    is the step: the seeded input pipeline is advanced by that many batches on resume.
+    becomes the latest, and the previous checkpoint stays loadable. `position` counts
+    the batches drawn from the input stream: a resumed run skips that many, so it sees
+    exactly the batches an unbroken run would.
 
     Args:
         directory: where checkpoints go (`MODEL_DIR/checkpoints`).
@@ -30,10 +31,11 @@ class Checkpointer:
         self.restore_from = restore_from or directory
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_step")
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_epoch")
+        self.position = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_position")
         # Dropout's random state: Keras keeps it in seed generators tf.train does not track.
         rng = [v.value for v in model.variables if v.path.endswith("seed_generator_state")]
         self.checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, rng=rng, step=self.step, epoch=self.epoch
+            model=model, optimizer=optimizer, rng=rng, step=self.step, epoch=self.epoch, position=self.position
         )
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
 
@@ -60,8 +62,9 @@ class Checkpointer:
         logging.info("Resumed from %s (step %d, epoch %d)", path, int(self.step), int(self.epoch))
         return int(self.step)
 
-    def save(self, step, epoch):
-        """Writes a checkpoint for `step`. Returns its path.
+    def save(self, step, epoch, position=None):
+        """Writes a checkpoint for `step` (batches trained), `epoch` (the epoch to resume in)
+        and `position` (batches drawn from the input; default `step`). Returns its path.
 
         Raises:
             TrainingError: the write failed (full disk, lost permission); the previous
@@ -69,6 +72,7 @@ class Checkpointer:
         """
         self.step.assign(step)
         self.epoch.assign(epoch)
+        self.position.assign(step if position is None else position)
         try:
             return self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:

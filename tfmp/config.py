@@ -1,13 +1,12 @@
-"""A training run's settings, checked, and the choice of loop they imply."""
+"""A training run's settings, checked."""
 
 import dataclasses
 
 import models
-from tfmp import distribute, precision
+from tfmp import precision
 from tfmp.errors import UsageError
 
 DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
-LOOPS = ("auto", "fit", "custom")
 
 
 @dataclasses.dataclass
@@ -38,7 +37,6 @@ class Config:
     vocab_size: int = 20000
     sequence_length: int = 64
     augment: bool = False
-    loop: str = "auto"
     grad_accum_steps: int = 1
     clipnorm: float | None = None
     steps_per_execution: int = 1
@@ -49,33 +47,10 @@ class Config:
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
 
 
-def choose_loop(config, strategy):
-    """`fit` or `custom` for `config.loop`; refuses `fit` where Keras' fit is wrong or broken."""
-    replicas = strategy.num_replicas_in_sync
-    broken = []
-    if distribute.num_workers(strategy) > 1:
-        broken.append("Keras 3 model.fit fails under MultiWorkerMirroredStrategy (keras#20585)")
-    if config.grad_accum_steps > 1:
-        broken.append("Keras 3 gradient accumulation fails under tf.distribute (keras#20582)")
-    if config.clipnorm and replicas > 1:
-        broken.append("Keras 3 clips each replica's gradients before the cross-replica sum")
-    if config.checkpoint_every:
-        broken.append("mid-epoch checkpoint/resume (--checkpoint_every) runs in the custom loop only")
-    if config.loop == "auto":
-        return "custom" if broken else "fit"
-    if config.loop == "fit" and broken:
-        raise UsageError(f"--loop=fit cannot do this run: {broken[0]}; use --loop=custom or --loop=auto")
-    if config.loop not in LOOPS:
-        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
-    return config.loop
-
-
 def validate(config):
     """Raises UsageError for settings that are wrong whatever the hardware."""
     if config.model not in models.MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
-    if config.loop not in LOOPS:
-        raise UsageError(f"unknown loop {config.loop!r}; choose one of {', '.join(LOOPS)}")
     if config.precision not in (*precision.POLICIES, precision.AUTOTUNE):
         choices = ", ".join((*precision.POLICIES, precision.AUTOTUNE))
         raise UsageError(f"unknown precision {config.precision!r}; choose one of {choices}")

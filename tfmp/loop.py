@@ -1,169 +1,467 @@
-"""A training loop that runs under every tf.distribute strategy through `strategy.run`.
+"""`tfmp.fit`: train any compiled Keras model under any tf.distribute strategy, correctly."""
 
-Per update, each replica computes gradients of its examples (summed per-example losses
-divided by the global batch, so the all-reduce SUM gives the global mean), accumulating
-`grad_accum_steps` micro-batches locally; the gradients are then all-reduced once, and
-only then clipped (by the global norm of the all-reduced, unscaled gradients, so 2
-replicas clip exactly like 1) and applied. Under mixed_float16 the loss-scale optimizer
-skips the update on every replica when any gradient anywhere is non-finite; a skipped
-update does not advance `optimizer.iterations` nor the learning-rate schedule.
-"""
+import contextlib
+import math
+import signal
+import tempfile
+import threading
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import distribute
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import checkpoint, distribute, loss_scale
+from tfmp.errors import Preempted, TrainingError, UsageError
+from tfmp.steps import Steps
+
+VERBOSE = ("auto", 0, 1, 2)
+# What a compiled step returns besides the model's metric results.
+STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
-def _no_reduce(grads_and_vars):
-    return grads_and_vars
+def fit(
+    model,
+    data,
+    *,
+    epochs=1,
+    initial_epoch=0,
+    steps_per_epoch=None,
+    validation_data=None,
+    validation_steps=None,
+    validation_freq=1,
+    callbacks=None,
+    strategy=None,
+    grad_accum_steps=1,
+    clipnorm=None,
+    steps_per_execution=1,
+    checkpoint_dir=None,
+    checkpoint_every=200,
+    log_dir=None,
+    log_every=10,
+    verbose="auto",
+):
+    """Trains a compiled Keras model like `model.fit`, correct under every strategy.
 
-
-def prepare_optimizer(optimizer, clipnorm=None):
-    """Lets `optimizer` apply gradients that this loop has already all-reduced.
-
-    Keras optimizers all-reduce inside `apply` and clip before that (per replica). The
-    loop reduces first, so the optimizer that updates the weights (the inner one of a
-    loss-scale wrapper) must not reduce again, and clips the reduced gradients instead.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    inner._all_reduce_sum_gradients = _no_reduce  # noqa: SLF001 - see docstring.
-    if clipnorm:
-        inner.clipnorm = inner.clipvalue = None
-        inner.global_clipnorm = float(clipnorm)
-    return optimizer
-
-
-class Loop:
-    """Compiled train and eval steps for one model, optimizer and strategy.
+    What it adds to `model.fit`: under `tf.distribute` the gradients are all-reduced once,
+    then clipped by their global norm (`clipnorm`), then applied; an overflow on any
+    replica skips the update on all (loss scaling with tfmp's `LossScaleOptimizer`, which
+    replaces Keras' own); gradient accumulation and several workers work (both fail in
+    Keras 3); checkpoints resume exactly; SIGTERM saves and raises `Preempted`; a
+    non-finite loss that no loss scale absorbs raises `TrainingError` naming the culprit.
 
     Args:
-        model: a Keras classifier whose outputs are float32 probabilities.
-        optimizer: a Keras optimizer, wrapped by `tfmp.wrap_optimizer` when needed.
-        strategy: the `tf.distribute.Strategy` the model was built under.
-        global_batch: examples per micro-step over all replicas.
-        grad_accum_steps: micro-steps per update; each replica's batch holds
-            `grad_accum_steps` micro-batches, which it splits.
-        clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
-        steps_per_execution: updates per compiled call of `train_steps` (TPUs: fewer
-            host round trips).
+        model: a compiled Keras model, built in `strategy.scope()`. Its compiled loss,
+            loss weights, metrics and weighted metrics are used, and its regularization
+            losses; losses are means over the GLOBAL batch.
+        data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches at the
+            GLOBAL batch size (x and y may be tuples or dicts), or a callable
+            `input_context -> dataset` batched at the per-replica size (then
+            `steps_per_epoch` is required).
+        epochs: epochs to train to (counting `initial_epoch`'s).
+        initial_epoch: the epoch to start at (a resumed checkpoint overrides it).
+        steps_per_epoch: batches per epoch; default: one pass over `data`. A finite
+            dataset is repeated, so epochs may span passes.
+        validation_data: evaluated at the end of every `validation_freq`-th epoch (a
+            dataset or callable like `data`); adds `val_*` to the logs and History.
+        validation_steps: batches per validation; default: all of `validation_data`.
+        validation_freq: validate every this many epochs.
+        callbacks: Keras callbacks (EarlyStopping, ModelCheckpoint, TensorBoard, ...).
+        strategy: default: the strategy the model was built under.
+        grad_accum_steps: every N consecutive batches make one update, equal to one
+            update on their concatenation.
+        clipnorm: clip the global norm of the all-reduced, unscaled gradients.
+        steps_per_execution: updates per compiled call (TPUs: fewer host round trips).
+        checkpoint_dir: save model, optimizer (loss scale included), epoch and input
+            position here every `checkpoint_every` batches and at each epoch's end, and
+            resume from the latest checkpoint found there. Several workers: the chief
+            saves here, the others to a temporary place.
+        checkpoint_every: batches between checkpoints (0: only at epoch ends).
+        log_dir: TensorBoard scalars (loss, metrics, learning rate, loss scale, skipped
+            steps, gradient norm, examples/s, memory) and history.csv go here every
+            `log_every` batches. Default: `checkpoint_dir`, if given.
+        log_every: batches between TensorBoard writes.
+        verbose: "auto", 0 (silent), 1 (progress bar) or 2 (a line per epoch).
+
+    Returns:
+        A `keras.callbacks.History`.
+
+    Raises:
+        UsageError: bad arguments, before anything is trained or written.
+        TrainingError: a non-finite loss that no loss scale absorbs, or a failed save.
+        Preempted: SIGTERM arrived; a checkpoint was saved (with `checkpoint_dir`).
 
     Example:
-        >>> loop = Loop(model, optimizer, strategy, global_batch=128)
-        >>> logs = loop.train_step(iterator)   # {"loss", "accuracy", "grad_norm", "finite", ...}
+        >>> with strategy.scope():
+        ...     model = build_model()
+        ...     model.compile(tfmp.wrap_optimizer(keras.optimizers.AdamW(1e-3)), "mse")
+        >>> history = tfmp.fit(model, train_ds, validation_data=val_ds, epochs=10,
+        ...                    grad_accum_steps=4, clipnorm=1.0, checkpoint_dir="runs/mine")
+    """
+    strategy = _check_arguments(**locals())
+    train_input = _Input(data, strategy, steps_per_epoch, grad_accum_steps, "data")
+    val_input = _Input(validation_data, strategy, validation_steps, 1, "validation_data") if validation_data else None
+    steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
+    optimizer = steps.optimizer
+    chief = distribute.is_chief(strategy)
+    log_dir = log_dir or checkpoint_dir
+    if log_dir and not chief:
+        log_dir = tempfile.mkdtemp(prefix="tfmp-worker-logs-")
+    saver, position, step = None, initial_epoch * (train_input.period or 0), 0
+    if checkpoint_dir:
+        target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
+        saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
+        if saver.restore():
+            initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
+    run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
+    return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
+
+
+def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
+    """Checks the data's structure, builds the model, its compiled loss and metrics and its
+    optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`."""
+    _build(model, strategy, element_spec)
+    loss_scale.for_model(model, strategy)
+    return Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution)
+
+
+def evaluate(model, data, *, steps=None, strategy=None):
+    """The model's compiled loss and metrics over `data`, under its strategy.
+
+    Args:
+        model: a compiled Keras model.
+        data: a `tf.data.Dataset` of global batches, or a callable `input_context ->
+            dataset` (then `steps` is required).
+        steps: batches to evaluate; default: all.
+        strategy: default: the strategy the model was built under.
+
+    Returns:
+        A dict of floats: `loss` and each metric.
+    """
+    strategy = strategy or model.distribute_strategy
+    if not getattr(model, "compiled", False):
+        raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
+    source = _Input(data, strategy, steps, 1, "data")
+    return prepare(model, strategy, source.element_spec).evaluate(source.once(), steps)
+
+
+def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
+    """Raises UsageError for anything wrong before touching the model; returns the strategy."""
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"tfmp.fit takes a keras.Model, got {type(model).__name__}")
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise UsageError("tfmp.fit needs a compiled model: call model.compile(optimizer, loss, metrics) first")
+    if type(model).train_step is not keras.Model.train_step:
+        raise UsageError(
+            f"{type(model).__name__} overrides train_step, which tfmp.fit replaces with its own; override "
+            "compute_loss / compute_metrics instead, or train it with model.fit"
+        )
+    for name, value, low in (
+        ("epochs", epochs, 0),
+        ("initial_epoch", initial_epoch, 0),
+        ("grad_accum_steps", grad_accum_steps, 1),
+        ("steps_per_execution", kw["steps_per_execution"], 1),
+        ("checkpoint_every", kw["checkpoint_every"], 0),
+        ("log_every", kw["log_every"], 1),
+        ("validation_freq", kw["validation_freq"], 1),
+    ):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
+            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", kw["validation_steps"])):
+        if value is not None and (not isinstance(value, int | np.integer) or value < 1):
+            raise UsageError(f"{name} must be None or an integer >= 1, got {value!r}")
+    if steps_per_epoch and steps_per_epoch % grad_accum_steps:
+        raise UsageError(
+            f"steps_per_epoch={steps_per_epoch} counts batches and must be a multiple of "
+            f"grad_accum_steps={grad_accum_steps} (every {grad_accum_steps} batches make one update)"
+        )
+    if clipnorm is not None and not (isinstance(clipnorm, int | float) and 0 < clipnorm < math.inf):
+        raise UsageError(f"clipnorm must be a positive finite number, got {clipnorm!r}")
+    if kw["verbose"] not in VERBOSE:
+        raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {kw['verbose']!r}")
+    built_under = model.distribute_strategy
+    strategy = strategy or built_under
+    variables = model.weights
+    if variables and not strategy.extended.variable_created_in_scope(variables[0].value):
+        raise UsageError(
+            f"the model was built outside the scope of the {distribute.strategy_name(strategy)} strategy it is "
+            "trained under: build and compile it inside `with strategy.scope():`"
+        )
+    return strategy
+
+
+def _build(model, strategy, element_spec):
+    """Checks the data's structure against the model and builds the model, its compiled
+    losses and metrics (their variables must exist before the step is traced)."""
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
+    inputs = getattr(model, "inputs", None) or []
+    if inputs:
+        given = tf.nest.flatten(x)
+        if isinstance(x, dict):
+            names = sorted(i.name for i in inputs)
+            if sorted(x) != names:
+                raise UsageError(f"the data's inputs are {sorted(x)} but the model takes {names}")
+        elif len(given) != len(inputs):
+            raise UsageError(
+                f"the model takes {len(inputs)} input(s) ({', '.join(i.name for i in inputs)}) but the data's "
+                f"elements hold {len(given)}: give (x, y) or (x, y, sample_weight) with x matching the inputs"
+            )
+        else:
+            for spec, layer_input in zip(given, inputs, strict=True):
+                if not tf.TensorShape(spec.shape[1:]).is_compatible_with(tf.TensorShape(layer_input.shape[1:])):
+                    raise UsageError(
+                        f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
+                        f"{tuple(spec.shape)}"
+                    )
+    if y is None and getattr(model, "_compile_loss", None) is not None:
+        raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
+    with strategy.scope():
+        try:
+            model._symbolic_build(data_batch=element_spec)  # noqa: SLF001 - what model.fit does first.
+        except (ValueError, TypeError) as e:
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise UsageError(f"the data does not fit the model or its compiled loss: {first}") from e
+
+
+def _batch_dim(element_spec):
+    """The static batch size of the data's elements, or None."""
+    first = tf.nest.flatten(element_spec)[0]
+    return first.shape[0] if first.shape.rank else None
+
+
+class _Input:
+    """Training or validation input: how long an epoch is, and its distributed iterators.
+
+    A dataset of known length (or any input with `steps` given) is read as one stream
+    repeated without end, epoch after epoch, so that `position` (batches drawn) says
+    exactly where a resumed run continues. A dataset of unknown length is read afresh
+    each epoch until it runs out.
     """
 
-    def __init__(
-        self, model, optimizer, strategy, global_batch, grad_accum_steps=1, clipnorm=None, steps_per_execution=1
-    ):
-        self.model = model
-        self.optimizer = prepare_optimizer(optimizer, clipnorm)
-        self.strategy = strategy
-        self.global_batch = global_batch
-        self.grad_accum_steps = grad_accum_steps
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(reduction=None)
-        self._scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        if not optimizer.built:  # Its slots must exist before the step traces a cond around them.
-            with strategy.scope():
-                optimizer.build(model.trainable_variables)
-        self.steps_per_execution = steps_per_execution
-        self.train_step = tf.function(self._train_step)
-        self.train_steps = tf.function(self._train_steps)
-        self.eval_step = tf.function(self._eval_step)
-
-    def _micro_grads(self, x, y, weights):
-        with tf.GradientTape() as tape:
-            probs = self.model(x, training=True)
-            per_example = self.loss_fn(y, probs)
-            denominator = float(self.global_batch * self.grad_accum_steps)
-            loss = tf.reduce_sum(per_example) / denominator
-            if self.model.losses:  # Counted once per update after the SUM over replicas.
-                replicas = self.strategy.num_replicas_in_sync * self.grad_accum_steps
-                loss += tf.add_n(self.model.losses) / replicas
-            scaled = self.optimizer.scale_loss(loss) if self._scaled else loss
-        # Dense gradients (embeddings give IndexedSlices): they are summed, reduced and checked.
-        grads = [tf.convert_to_tensor(g) for g in tape.gradient(scaled, weights)]
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(probs, -1), tf.cast(y, tf.int64)), tf.float32))
-        return grads, tf.reduce_sum(per_example), correct
-
-    def _replica_train(self, x, y):
-        weights = self.model.trainable_variables
-        n = self.grad_accum_steps
-        if n == 1:
-            grads, loss_sum, correct = self._micro_grads(x, y, weights)
+    def __init__(self, data, strategy, steps, grad_accum_steps, name):
+        self.strategy, self.steps, self.name = strategy, steps, name
+        self.replicas = strategy.num_replicas_in_sync
+        self.fn = None if isinstance(data, tf.data.Dataset) else data
+        self.data = data if self.fn is None else None
+        self.period = steps  # Batches an epoch takes from the stream.
+        steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
+        if self.fn is not None:
+            if not callable(data):
+                raise UsageError(
+                    f"{name} must be a tf.data.Dataset or a callable input_context -> dataset, got "
+                    f"{type(data).__name__}; wrap arrays with tf.data.Dataset.from_tensor_slices((x, y)).batch(N)"
+                )
+            if not steps:
+                raise UsageError(f"{name} as a callable needs {steps_arg}")
+            probe = data(tf.distribute.InputContext(1, 0, 1))
+            if not isinstance(probe, tf.data.Dataset):
+                raise UsageError(f"{name}(input_context) must return a tf.data.Dataset, got {type(probe).__name__}")
+            self.element_spec = probe.element_spec
         else:
-            xs, ys = tf.split(x, n), tf.split(y, n)
-            grads, loss_sum, correct = self._micro_grads(xs[0], ys[0], weights)
-            for i in range(1, n):  # Unrolled: n is small, and the shapes stay static.
-                g, loss_i, correct_i = self._micro_grads(xs[i], ys[i], weights)
-                grads = [a + b for a, b in zip(grads, g, strict=True)]
-                loss_sum, correct = loss_sum + loss_i, correct + correct_i
-        ctx = tf.distribute.get_replica_context()
-        if self.strategy.num_replicas_in_sync > 1:
-            grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads)
-        scale = self.optimizer.dynamic_scale if self._scaled else 1.0
-        grad_norm = tf.linalg.global_norm([tf.cast(g, tf.float32) / scale for g in grads])
-        finite = tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        self.optimizer.apply(grads, weights)
-        return {
-            "loss_sum": loss_sum,
-            "correct": correct,
-            "count": tf.cast(tf.shape(y)[0], tf.float32),
-            "grad_norm": grad_norm,
-            "finite": finite,
-        }
+            self.element_spec = data.element_spec
+            cardinality = int(data.cardinality())
+            if cardinality == 0:
+                raise UsageError(f"{name} is empty")
+            if cardinality == tf.data.INFINITE_CARDINALITY and not steps:
+                raise UsageError(f"{name} repeats without end: give {steps_arg}")
+            if cardinality > 0 and not steps:
+                self.period = cardinality
+                self.steps = cardinality // grad_accum_steps * grad_accum_steps
+                if self.steps == 0:
+                    raise UsageError(
+                        f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}"
+                    )
+            batch = _batch_dim(self.element_spec)
+            if batch is not None and batch % self.replicas:
+                lower, upper = batch // self.replicas * self.replicas, (batch // self.replicas + 1) * self.replicas
+                raise UsageError(
+                    f"{name}'s global batch size {batch} does not divide by the {self.replicas} replicas; use a "
+                    f"multiple of {self.replicas} such as {lower or upper} or {upper}"
+                )
+            if distribute.strategy_name(strategy) == "tpu" and batch is None:
+                raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
+        if self.period is None and distribute.num_workers(strategy) > 1:
+            raise UsageError(f"{name} has unknown length; several workers need steps_per_epoch to stay in step")
 
-    def _train_step(self, iterator):
-        x, y = next(iterator)
-        out = self.strategy.run(self._replica_train, args=(x, y))
-        sums = {
-            k: self.strategy.reduce(tf.distribute.ReduceOp.SUM, out[k], axis=None)
-            for k in ("loss_sum", "correct", "count")
-        }
-        # Every replica computed the same values from the same all-reduced gradients.
-        local = {k: self.strategy.experimental_local_results(out[k])[0] for k in ("grad_norm", "finite")}
-        return {
-            "loss": sums["loss_sum"] / sums["count"],
-            "accuracy": sums["correct"] / sums["count"],
-            "count": sums["count"],
-            # Read here, inside the compiled step, so the host needs no extra variable reads.
-            "iterations": tf.convert_to_tensor(self.optimizer.iterations),
-            "learning_rate": tf.convert_to_tensor(self.optimizer.learning_rate),
-            "loss_scale": tf.convert_to_tensor(self.optimizer.dynamic_scale) if self._scaled else tf.constant(-1.0),
-            **local,
-        }
+    @property
+    def streamed(self):
+        return self.period is not None
 
-    def _train_steps(self, iterator):
-        """`steps_per_execution` updates in one call; returns the last one's logs."""
-        logs = self._train_step(iterator)
-        for _ in tf.range(self.steps_per_execution - 1):
-            logs = self._train_step(iterator)
+    def _distribute(self, skip, repeat):
+        if self.fn is not None:
+            def dataset_fn(context):
+                per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+                ds = self.fn(context)
+                return (ds.repeat() if repeat else ds).skip(skip * per_pipeline)
+
+            return self.strategy.distribute_datasets_from_function(dataset_fn)
+        ds = (self.data.repeat() if repeat else self.data).skip(skip)
+        if self.replicas > 1 or distribute.num_workers(self.strategy) > 1:
+            return self.strategy.experimental_distribute_dataset(ds)
+        return ds
+
+    def stream(self, position):
+        """An iterator over the repeated input, `position` batches in."""
+        return iter(self._distribute(position, repeat=True))
+
+    def epoch(self, offset):
+        """An iterator over one pass of the input, `offset` batches in."""
+        return iter(self._distribute(offset, repeat=False))
+
+    def once(self):
+        """The input for one evaluation."""
+        return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+@contextlib.contextmanager
+def _sigterm_sets(event, active):
+    """While active, SIGTERM sets `event` instead of killing the process (main thread only)."""
+    if not active or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _preemption_handler(strategy, saver):
+    """TensorFlow's own preemption handling where several hosts must agree on when to save
+    (multi-worker, TPU); None elsewhere, where a SIGTERM handler does it."""
+    if saver is None or distribute.strategy_name(strategy) not in ("multi_worker", "tpu"):
+        return None
+
+    def exit_fn():
+        raise Preempted(f"SIGTERM: checkpoint saved in {saver.directory}; rerun the same command to resume")
+
+    config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn)
+    return tf.distribute.experimental.PreemptionCheckpointHandler(
+        strategy.cluster_resolver, saver.manager, termination_config=config
+    )
+
+
+class _Run:
+    """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
+
+    def __init__(self, model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose):
+        self.model, self.steps, self.input, self.val_input, self.saver = model, steps, train_input, val_input, saver
+        self.n = steps.grad_accum_steps
+        self.callbacks = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            verbose=verbose,
+            epochs=None,  # Set in train().
+            steps=train_input.steps,
+            model=model,
+        )
+        self.log_dir, self.log_every = log_dir, log_every
+        self.monitor = None
+        self.step = 0  # Batches trained, over all epochs.
+
+    def _monitor(self, start_step):
+        if not self.log_dir:
+            return None
+        batch = _batch_dim(self.input.element_spec)
+        if batch is not None and self.input.fn is not None:
+            batch *= self.steps.strategy.num_replicas_in_sync  # The callable's batches are per replica.
+        return tfmp_callbacks.Monitor(self.log_dir, self.steps.optimizer, batch, self.log_every, start_step=start_step)
+
+    def train(self, epoch, epochs, position, step, validation_freq, checkpoint_every):
+        """Trains from `epoch`, `position` batches into the input (a resumed run), with
+        `step` batches trained before. Returns the History."""
+        model, steps, source = self.model, self.steps, self.input
+        self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
+        offset = position - epoch * source.period if source.streamed else position
+        self.step = step
+        self.monitor = self._monitor(step)
+        iterator = source.stream(epoch * source.period + offset) if source.streamed else None
+        stop, handler = threading.Event(), _preemption_handler(steps.strategy, self.saver)
+        model.stop_training = False
+        self.callbacks.on_train_begin()
+        epoch_logs = {}
+        with _sigterm_sets(stop, self.saver is not None and handler is None):
+            while epoch < epochs and not model.stop_training:
+                model.reset_metrics()
+                self.callbacks.on_epoch_begin(epoch)
+                if not source.streamed:
+                    iterator = source.epoch(offset)
+                logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                if source.streamed and not model.stop_training:
+                    # Batches past the last whole update (a length that grad_accum_steps
+                    # does not divide) are drawn and left out: every epoch starts on time.
+                    for _ in range(source.period - done):
+                        next(iterator)
+                epoch_logs = dict(logs or steps.results())
+                if self.val_input is not None and (epoch + 1) % validation_freq == 0:
+                    self.callbacks.on_test_begin()
+                    val_logs = steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
+                    self.callbacks.on_test_end(val_logs)
+                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                epoch, offset = epoch + 1, 0
+                if self.saver is not None and not model.stop_training:
+                    self._save(epoch, epoch * source.period if source.streamed else 0)
+                self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
+        if self.monitor is not None:
+            self.monitor.flush()
+        self.callbacks.on_train_end(epoch_logs)
+        return model.history
+
+    def _train_epoch(self, iterator, epoch, offset, stop, handler, checkpoint_every):
+        """Trains one epoch from batch `offset`; returns the last logs and the batches done."""
+        model, steps, n = self.model, self.steps, self.n
+        k, total = steps.steps_per_execution, self.input.steps  # total None: until the input runs out.
+        done, logs = offset, None
+        while total is None or done < total:
+            updates = k if total is not None and total - done >= k * n else 1
+            self.callbacks.on_train_batch_begin(done)
+            try:
+                out = steps.train(iterator, updates)
+            except (tf.errors.OutOfRangeError, StopIteration):
+                break  # Unknown length: the epoch ended.
+            batches = updates * n
+            done, self.step = done + batches, self.step + batches
+            position = epoch * self.input.period + done if self.input.streamed else done
+            logs = self._logs(out)
+            if self.monitor is not None:
+                self.monitor.on_train_batch_end(self.step, {**out, **logs, "steps": batches, "updates": updates})
+            message = tfmp_callbacks.non_finite_message(
+                out["step_loss"], steps.optimizer, model, steps.first_non_finite_gradient(out["finite"]), self.step
+            )
+            if message:
+                raise TrainingError(message)
+            self.callbacks.on_train_batch_end(done - 1, logs)
+            if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
+                self.saver.step.assign(self.step)
+                self.saver.epoch.assign(epoch)
+                self.saver.position.assign(position)
+                handler.save_checkpoint_if_preempted(checkpoint_number=self.step)
+            if stop.is_set():
+                self._save(epoch, position)
+                raise Preempted(
+                    f"SIGTERM at batch {self.step}: checkpoint saved in {self.saver.directory}; rerun the same "
+                    "command to resume"
+                )
+            if self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches:
+                self._save(epoch, position)
+            if model.stop_training:
+                break
+        return logs, done
+
+    def _logs(self, out):
+        """What callbacks see after a call: the model's metrics (running means over the
+        epoch), and the loss scale where there is one."""
+        logs = {key: float(value) for key, value in out.items() if key not in STEP_STATE}
+        if self.steps.scaled:
+            logs["loss_scale"] = float(out["loss_scale"])
         return logs
 
-    def _replica_eval(self, x, y):
-        probs = self.model(x, training=False)
-        per_example = self.loss_fn(y, probs)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(probs, -1), tf.cast(y, tf.int64)), tf.float32))
-        return tf.reduce_sum(per_example), correct, tf.cast(tf.shape(y)[0], tf.float32)
+    def _save(self, epoch, position):
+        culprit = tfmp_callbacks.first_non_finite(self.model.weights)
+        if culprit:  # Never let a non-finite state become the latest checkpoint.
+            raise TrainingError(f"non-finite weight {culprit} at batch {self.step}; not checkpointed, training stopped")
+        self.saver.save(self.step, epoch, position)
+        if self.monitor is not None:
+            self.monitor.flush()
 
-    def _eval_step(self, batch):
-        out = self.strategy.run(self._replica_eval, args=batch)
-        return [self.strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None) for v in out]
-
-    def first_non_finite_gradient(self, logs):
-        """The path of the first variable whose gradient was non-finite in `logs`, or None."""
-        finite = np.asarray(logs["finite"])
-        if finite.all():
-            return None
-        return self.model.trainable_variables[int(np.argmin(finite))].path
-
-    def evaluate(self, dataset):
-        """Loss and accuracy over every example of `dataset` (global batches)."""
-        if self.strategy.num_replicas_in_sync > 1 or distribute.num_workers(self.strategy) > 1:
-            dataset = self.strategy.experimental_distribute_dataset(dataset)
-        loss_sum = correct = count = 0.0
-        for batch in dataset:
-            batch_loss, batch_correct, n = self.eval_step(batch)
-            loss_sum, correct, count = loss_sum + float(batch_loss), correct + float(batch_correct), count + float(n)
-        return loss_sum / count, correct / count

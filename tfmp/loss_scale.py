@@ -29,6 +29,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         >>> opt = LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2**15)
     """
 
+    # Set by `tfmp.fit`'s steps while they run: the gradients are already all-reduced (the
+    # same on every replica), so the overflow flag needs no all-reduce of its own.
+    gradients_reduced = False
+
     def _tf_apply(self, grads, trainable_variables=None):
         replica_ctx = tf.distribute.get_replica_context()
         if replica_ctx is None:
@@ -61,39 +65,86 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def _finite_on_every_replica(self, replica_ctx, grads):
         local_bad = ops.cast(ops.logical_not(self.check_finite(grads)), "float32")
-        if replica_ctx.num_replicas_in_sync > 1:
+        if replica_ctx.num_replicas_in_sync > 1 and not self.gradients_reduced:
             local_bad = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
         return ops.equal(local_bad, 0.0)
 
 
-def wrap_optimizer(optimizer, initial_scale=2**15, growth_steps=2000):
-    """Wraps `optimizer` for loss scaling when the global policy is mixed_float16.
+def needs_loss_scaling(model=None):
+    """Whether any layer of `model` computes in float16 (without a model: the global policy)."""
+    if model is None:
+        return precision.needs_loss_scaling()
+    return any(layer.dtype_policy.compute_dtype == "float16" for layer in model._flatten_layers())  # noqa: SLF001
+
+
+def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=None):
+    """Wraps `optimizer` for loss scaling when float16 compute needs it.
 
     Safe to call twice, and safe with `model.compile` (Keras only wraps an optimizer that
     is not already a `LossScaleOptimizer`). A Keras `LossScaleOptimizer` given here is
-    re-wrapped, so that the distribution-safe overflow check is the one used.
+    re-wrapped, so that the distribution-safe overflow check is the one used; its initial
+    scale and growth steps are kept unless given, and, if it was built, its current scale
+    and step count too.
 
     Args:
         optimizer: a Keras optimizer.
-        initial_scale: the starting loss scale (float16 only).
-        growth_steps: finite steps in a row after which the scale doubles.
+        initial_scale: the starting loss scale (default 2**15, or the re-wrapped one's).
+        growth_steps: finite steps in a row after which the scale doubles (default 2000,
+            or the re-wrapped one's).
+        model: decide from this model's layers (any layer computing in float16 needs loss
+            scaling, whatever the global policy); without it, from the global policy.
 
     Returns:
-        A `tfmp.LossScaleOptimizer` under mixed_float16, else `optimizer` itself.
+        A `tfmp.LossScaleOptimizer` where float16 compute needs one (or a Keras one was
+        given), else `optimizer` itself.
 
     Raises:
-        UsageError: if `initial_scale` is not positive or `growth_steps` is below 1.
+        UsageError: if `initial_scale` is not a positive finite number or `growth_steps`
+            is not an integer >= 1.
     """
-    if not initial_scale > 0:
-        raise UsageError(f"loss scale initial value must be > 0, got {initial_scale}")
-    if int(growth_steps) != growth_steps or growth_steps < 1:
+    if initial_scale is not None and not (0 < initial_scale < float("inf")):
+        raise UsageError(f"loss scale initial value must be a positive finite number, got {initial_scale}")
+    if growth_steps is not None and (int(growth_steps) != growth_steps or growth_steps < 1):
         raise UsageError(f"loss scale growth steps must be an integer >= 1, got {growth_steps}")
-    if not precision.needs_loss_scaling() or isinstance(optimizer, LossScaleOptimizer):
+    if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        logging.info("Replacing Keras' LossScaleOptimizer with tfmp's distribution-safe one.")
-        optimizer = optimizer.inner_optimizer
-    return LossScaleOptimizer(optimizer, initial_scale=float(initial_scale), dynamic_growth_steps=int(growth_steps))
+    keras_wrapper = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    if not keras_wrapper and not needs_loss_scaling(model):
+        return optimizer
+    if not keras_wrapper:
+        return LossScaleOptimizer(
+            optimizer,
+            initial_scale=float(initial_scale or 2.0**15),
+            dynamic_growth_steps=int(growth_steps or 2000),
+        )
+    logging.info("Replacing Keras' LossScaleOptimizer with tfmp's distribution-safe one.")
+    wrapped = LossScaleOptimizer(
+        optimizer.inner_optimizer,
+        initial_scale=float(initial_scale or optimizer.initial_scale),
+        dynamic_growth_steps=int(growth_steps or optimizer.dynamic_growth_steps),
+    )
+    if optimizer.built:  # Carry on where it was: same scale, same count towards the next growth.
+        wrapped.build(optimizer.inner_optimizer._trainable_variables)  # noqa: SLF001 - inner build is a no-op.
+        wrapped.dynamic_scale.assign(optimizer.dynamic_scale)
+        wrapped.step_counter.assign(optimizer.step_counter)
+    return wrapped
+
+
+def for_model(model, strategy):
+    """Makes `model.optimizer` tfmp's `LossScaleOptimizer` wherever loss scaling is in play.
+
+    A model whose layers compute in float16 gets one even under a float32 global policy,
+    and a Keras `LossScaleOptimizer` (which `compile` adds under mixed_float16) is
+    replaced, keeping its state. Returns the optimizer the model now has.
+    """
+    optimizer = model.optimizer
+    wrapped = wrap_optimizer(optimizer, model=model)
+    if wrapped is not optimizer:
+        with strategy.scope():
+            if not wrapped.built and optimizer.built:
+                wrapped.build(model.trainable_variables)
+        model.optimizer = wrapped
+    return model.optimizer
 
 
 def loss_scale_of(optimizer):

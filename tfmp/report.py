@@ -11,7 +11,7 @@ import numpy as np
 from tfmp import distribute
 
 
-def summary(config, decision, strategy, plan, source, model, loop_name, steps, start_step=0):
+def summary(config, decision, strategy, plan, source, model, steps, start_step=0):
     """The one-screen summary printed before training."""
     lines = [
         "=" * 72,
@@ -21,13 +21,14 @@ def summary(config, decision, strategy, plan, source, model, loop_name, steps, s
         f"precision   {decision.policy} ({decision.reason.splitlines()[0]})",
         *decision.reason.splitlines()[1:],  # The trial table of autotune, if any.
         f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
-        f"loop {loop_name}, {config.epochs} epochs x {steps} steps",
+        f"{config.epochs} epochs x {steps} updates",
         "batch",
         plan.table(),
         "=" * 72,
     ]
     if start_step:
-        lines.insert(-1, f"resumed     from step {start_step} of {config.epochs * steps}")
+        total = config.epochs * steps * plan.grad_accum_steps
+        lines.insert(-1, f"resumed     from batch {start_step} of {total}")
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)

@@ -2,10 +2,8 @@
 
 import contextlib
 import os
-import signal
 import sys
 import tempfile
-import threading
 import time
 
 import keras
@@ -14,8 +12,8 @@ import tensorflow as tf
 from absl import logging
 
 import models
-from tfmp import autotune, callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
-from tfmp.config import DEFAULT_DATASETS, LOOPS, Config, choose_loop, validate  # noqa: F401 - re-exported.
+from tfmp import autotune, callbacks, data, distribute, export, loop, loss_scale, precision, report, seed
+from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
 from tfmp.errors import Preempted, TrainingError, UsageError
 from tfmp.heads import audit
 
@@ -57,129 +55,15 @@ def _steps_per_epoch(config, ds, plan):
     return steps
 
 
-@contextlib.contextmanager
-def _sigterm_sets(event):
-    """While active, SIGTERM sets `event` instead of killing the process (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+def _checkpoint_step(directory):
+    """The batch count in the latest checkpoint in `directory`, or 0 without one."""
+    path = tf.train.latest_checkpoint(directory)
+    if not path:
+        return 0
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _preemption_handler(strategy, checkpointer):
-    """TensorFlow's own preemption handling where several hosts must agree on when to save
-    (multi-worker, TPU); None elsewhere, where tfmp's SIGTERM handler does it."""
-    if checkpointer is None or distribute.strategy_name(strategy) not in ("multi_worker", "tpu"):
-        return None
-
-    def exit_fn():
-        raise Preempted(f"SIGTERM: checkpoint saved in {checkpointer.directory}; rerun the same command to resume")
-
-    config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn)
-    return tf.distribute.experimental.PreemptionCheckpointHandler(
-        strategy.cluster_resolver, checkpointer.manager, termination_config=config
-    )
-
-
-def _train_fit(model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir):
-    throughput = callbacks.Throughput(plan.global_batch, config.warmup_steps)
-    monitor = callbacks.Monitor(
-        model_dir,
-        optimizer,
-        plan.global_batch,
-        config.log_every,
-        grad_norm=callbacks.probe_grad_norm(optimizer, strategy),
-        steps_per_call=config.steps_per_execution,
-    )
-    model.fit(
-        ds.distribute(strategy),
-        epochs=config.epochs,
-        steps_per_epoch=steps,
-        verbose=verbose,
-        shuffle=False,
-        callbacks=[throughput, monitor, callbacks.NonFiniteGuard(optimizer)],
-    )
-    monitor.flush()
-    test_loss, test_accuracy = model.evaluate(ds.test, verbose=0)
-    return throughput.examples_per_second, float(test_loss), float(test_accuracy), monitor
-
-
-def _train_custom(model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir, checkpointer, start):
-    runner = loop.Loop(
-        model,
-        optimizer,
-        strategy,
-        plan.global_batch,
-        plan.grad_accum_steps,
-        config.clipnorm,
-        config.steps_per_execution,
-    )
-    spe = config.steps_per_execution
-    monitor = callbacks.Monitor(model_dir, optimizer, plan.effective_batch, config.log_every, start_step=start)
-    throughput = callbacks.Throughput(plan.effective_batch * spe, max(1, config.warmup_steps // spe))
-    iterator = iter(ds.distribute(strategy, skip_steps=start))
-    step, total, stop = start, steps * config.epochs, threading.Event()
-
-    def save():
-        if checkpointer is None:
-            return
-        culprit = callbacks.first_non_finite(model.weights)
-        if culprit:  # Never let a non-finite state become the latest checkpoint.
-            raise TrainingError(f"non-finite weight {culprit} at step {step}; not checkpointed, training stopped")
-        checkpointer.save(step, step // steps)
-        monitor.flush()
-
-    handler = _preemption_handler(strategy, checkpointer)
-    throughput.on_train_begin()
-    with contextlib.nullcontext() if handler else _sigterm_sets(stop):
-        while step < total:
-            epoch = step // steps
-            if step % steps == 0 and verbose:
-                print(f"Epoch {epoch + 1}/{config.epochs}", flush=True)
-            progress = keras.utils.Progbar(steps, verbose=verbose, stateful_metrics=["loss", "accuracy", "grad_norm"])
-            seen, totals = 0, {"loss": 0.0, "accuracy": 0.0}
-            while step < (epoch + 1) * steps:
-                # Whole executions while they fit in the epoch, then single steps.
-                step_fn, n = (runner.train_steps, spe) if (epoch + 1) * steps - step >= spe else (runner.train_step, 1)
-                logs = step_fn(iterator)
-                step, seen = step + n, seen + n
-                logs = {k: v.numpy() for k, v in logs.items()}
-                monitor.on_train_batch_end(step, {**logs, "steps": n})
-                if n == spe:
-                    throughput.on_train_batch_end(step)
-                message = callbacks.non_finite_message(
-                    logs["loss"], optimizer, model, runner.first_non_finite_gradient(logs), step
-                )
-                if message:
-                    raise TrainingError(message)
-                for key in totals:
-                    totals[key] += float(logs[key]) * n
-                progress.update(
-                    step - epoch * steps,
-                    [(k, v / seen) for k, v in totals.items()] + [("grad_norm", float(logs["grad_norm"]))],
-                )
-                if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
-                    checkpointer.step.assign(step)
-                    checkpointer.epoch.assign(step // steps)
-                    handler.save_checkpoint_if_preempted(checkpoint_number=step)
-                if stop.is_set():
-                    save()
-                    raise Preempted(
-                        f"SIGTERM at step {step}: checkpoint saved in {checkpointer.directory}; "
-                        "rerun the same command to resume"
-                        if checkpointer
-                        else f"SIGTERM at step {step}; --checkpoint_every=0, so nothing was saved"
-                    )
-                if config.checkpoint_every and step % config.checkpoint_every < n:
-                    save()
-    save()
-    monitor.flush()
-    test_loss, test_accuracy = runner.evaluate(ds.test)
-    return throughput.examples_per_second, test_loss, test_accuracy, monitor
+        return int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE"))
+    except (tf.errors.OpError, ValueError):
+        return 0  # Unreadable: tfmp.fit's restore says so in one line.
 
 
 def train_and_evaluate(config, out=sys.stdout):
@@ -214,8 +98,7 @@ def train_and_evaluate(config, out=sys.stdout):
     if config.precision != precision.AUTOTUNE and not trial:
         decision = precision.resolve_policy(config.precision)
         precision.apply_policy(decision)
-    # 4. The loop that is correct under the strategy, and the batch split.
-    loop_name = choose_loop(config, strategy)
+    # 4. The batch split.
     chief = distribute.is_chief(strategy)
     # Only the chief writes to --model_dir; other workers write to a temporary place.
     model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
@@ -229,11 +112,11 @@ def train_and_evaluate(config, out=sys.stdout):
         grad_accum_steps=config.grad_accum_steps,
         workers=distribute.num_workers(strategy),
     )
-    # 5. Data: each replica's batch holds grad_accum_steps micro-batches.
+    # 5. Data, in global batches; every grad_accum_steps of them make one update.
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
     ds = data.load(
         dataset,
-        plan.effective_batch,
+        plan.global_batch,
         config.data_dir,
         kind=entry.kind,
         download=config.download,
@@ -267,57 +150,55 @@ def train_and_evaluate(config, out=sys.stdout):
         if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
             decision = precision.resolve_policy("auto")
         elif trial:
-            decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir, trial)
+            decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir, trial)
             how = decision.reason[len("autotune, ") :]
             reason = f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
             decision = decision._replace(reason=reason)
         else:
-            decision = autotune.autotune(key, build_model, ds, strategy, plan.effective_batch, model_dir)
+            decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir)
         precision.apply_policy(decision)
-    # 6. Model and optimizer, built inside the strategy's scope; resume from a checkpoint.
+    # 6. Model and optimizer, built and compiled inside the strategy's scope.
     with strategy.scope():
         model = build_model()
-        inner = keras.optimizers.Adam(plan.learning_rate, global_clipnorm=config.clipnorm)
-        optimizer = loss_scale.wrap_optimizer(inner, config.loss_scale_initial, config.loss_scale_growth_steps)
-        if loop_name == "fit":
-            model.compile(
-                optimizer=optimizer,
-                loss=keras.losses.SparseCategoricalCrossentropy(),
-                metrics=["accuracy"],
-                steps_per_execution=config.steps_per_execution,
-            )
-        else:
-            optimizer.build(model.trainable_variables)
+        optimizer = loss_scale.wrap_optimizer(
+            keras.optimizers.Adam(plan.learning_rate), config.loss_scale_initial, config.loss_scale_growth_steps
+        )
+        models.compile(model, optimizer)
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    checkpointer, start = None, 0
-    if loop_name == "custom" and config.checkpoint_every:
-        checkpointer = checkpoint.Checkpointer(
-            os.path.join(model_dir, "checkpoints"),
-            model,
-            optimizer,
-            restore_from=os.path.join(config.model_dir, "checkpoints"),
-        )
-        start = min(checkpointer.restore(), steps * config.epochs)
-    print(
-        report.summary(config, decision, strategy, plan, ds.source, model, loop_name, steps, start),
-        file=out,
-        flush=True,
-    )
+    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
+    total_batches = steps * plan.grad_accum_steps * config.epochs
+    start = min(_checkpoint_step(checkpoint_dir), total_batches) if checkpoint_dir else 0
+    print(report.summary(config, decision, strategy, plan, ds.source, model, steps, start), file=out, flush=True)
 
-    # 7. Train; 8. evaluate on every test example.
+    # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
+    calls = plan.effective_batch * config.steps_per_execution  # Examples per compiled call.
+    throughput = callbacks.Throughput(calls, max(1, config.warmup_steps // config.steps_per_execution))
     begin = time.perf_counter()
-    if loop_name == "fit":
-        rate, test_loss, test_accuracy, monitor = _train_fit(
-            model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir
-        )
-    else:
-        rate, test_loss, test_accuracy, monitor = _train_custom(
-            model, optimizer, ds, strategy, config, plan, steps, verbose, model_dir, checkpointer, start
-        )
+    loop.fit(
+        model,
+        ds.make_train,  # Per-worker input: each worker reads its own shard.
+        epochs=config.epochs,
+        steps_per_epoch=steps * plan.grad_accum_steps,
+        callbacks=[throughput],
+        strategy=strategy,
+        grad_accum_steps=plan.grad_accum_steps,
+        clipnorm=config.clipnorm,
+        steps_per_execution=config.steps_per_execution,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=config.checkpoint_every,
+        log_dir=model_dir,
+        log_every=config.log_every,
+        verbose=verbose,
+    )
     train_seconds = time.perf_counter() - begin
+    rate = throughput.examples_per_second
+    test = loop.evaluate(model, ds.test, strategy=strategy)
+    test_loss, test_accuracy = test["loss"], test["accuracy"]
+    history_path = os.path.join(model_dir, "history.csv")
+    skipped = callbacks.skipped_steps(history_path)
     # 9. Record: metrics.json, training.png; export.
     metrics = {
         "model": config.model,
@@ -328,7 +209,6 @@ def train_and_evaluate(config, out=sys.stdout):
         "policy": decision.policy,
         "policy_reason": decision.reason,
         "strategy": distribute.strategy_name(strategy),
-        "loop": loop_name,
         "replicas": strategy.num_replicas_in_sync,
         "workers": plan.workers,
         "global_batch_size": plan.global_batch,
@@ -342,14 +222,14 @@ def train_and_evaluate(config, out=sys.stdout):
         "steps_per_epoch": steps,
         "resumed_from_step": start,
         "steps": int(optimizer.iterations.numpy()),
-        "skipped_steps": monitor.skipped,
+        "skipped_steps": skipped,
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
         "peak_memory_mb": callbacks.peak_memory_mb(),
         "seed": config.seed,
         "weights_sha256": report.weights_fingerprint(model),
     }
-    if os.path.exists(monitor.history_path):
-        metrics["plot"] = report.plot_history(monitor.history_path, os.path.join(model_dir, "training.png"))
+    if os.path.exists(history_path):
+        metrics["plot"] = report.plot_history(history_path, os.path.join(model_dir, "training.png"))
     if config.export_dir and chief:
         sample = next(iter(ds.test))[0][:8] if entry.kind == "image" else tf.constant(["a fine film", "dull"])
         metrics["export"] = export.export(
@@ -359,7 +239,7 @@ def train_and_evaluate(config, out=sys.stdout):
     report.write_json_atomically(path, metrics)
     print(
         f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s; "
-        f"{monitor.skipped} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})",
+        f"{skipped} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})",
         file=out,
         flush=True,
     )
