@@ -1,5 +1,5 @@
-"""The custom loop: same weights on 1 replica, 2 replicas and 2 worker processes; gradient
-accumulation; clipping over all-reduced gradients; overflow on one replica."""
+"""tfmp's loop (tfmp.fit): same weights on 1 replica, 2 replicas and 2 worker processes;
+gradient accumulation; clipping over all-reduced gradients; overflow on one replica."""
 
 import json
 import os
@@ -17,6 +17,7 @@ import tiny
 from conftest import REPO
 
 from tfmp import loop
+from tfmp.steps import Steps
 
 STEPS, BATCH = 5, 32
 
@@ -66,17 +67,19 @@ def test_clipping_over_replicas_matches_one_replica(mirrored, init, one_replica)
 @pytest.mark.parametrize("bad_replica", [0, 1])
 def test_overflow_on_one_replica_skips_everywhere(mirrored, bad_replica):
     keras.config.set_dtype_policy("mixed_float16")
-    with mirrored.scope():
-        model, optimizer = tiny.build(mirrored, schedule=True)
-    runner = loop.Loop(model, optimizer, mirrored, BATCH)
-    iterator = iter(tiny.dataset(BATCH).distribute(mirrored))
-    runner.train_step(iterator)
+    model, optimizer = tiny.build(mirrored, schedule=True)
+    ds = tiny.dataset(BATCH)
+    runner = loop.prepare(model, mirrored, ds.train.element_spec)
+    assert isinstance(runner, Steps) and runner.optimizer is model.optimizer is optimizer
+    iterator = iter(ds.distribute(mirrored))
+    runner.train(iterator)
     before = [w.numpy() for w in model.weights]
     lr_before = float(optimizer.learning_rate)
     scale_before = float(optimizer.dynamic_scale.numpy())
     model.get_layer("inject").bad_replica.assign(bad_replica)
-    logs = runner.train_step(iterator)
+    logs = runner.train(iterator)
     assert not np.isfinite(float(logs["grad_norm"]))
+    assert runner.first_non_finite_gradient(logs["finite"]) is not None
     assert_same([w.numpy() for w in model.weights], before, atol=0)
     for w in model.trainable_weights:
         local = mirrored.experimental_local_results(w.value)
@@ -85,7 +88,7 @@ def test_overflow_on_one_replica_skips_everywhere(mirrored, bad_replica):
     assert float(optimizer.learning_rate) == lr_before  # The schedule did not advance.
     assert float(optimizer.dynamic_scale.numpy()) == scale_before / 2
     model.get_layer("inject").bad_replica.assign(-1)
-    runner.train_step(iterator)
+    runner.train(iterator)
     assert int(optimizer.iterations.numpy()) == 2 and float(optimizer.learning_rate) < lr_before
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
 
@@ -171,7 +174,7 @@ def test_two_worker_train_binary(tmp_path):
     ]
     results = wait_all(start_workers(lambda i: [os.path.join(REPO, "train.py"), *flags]))
     fingerprints = agreeing_fingerprints(results)
-    assert "loop custom" in results[0][1] and "2 replicas" in results[0][1]
+    assert "2 replicas" in results[0][1]
     assert {p.name for p in model_dir.iterdir()} == {
         "metrics.json",
         "history.csv",
@@ -183,7 +186,6 @@ def test_two_worker_train_binary(tmp_path):
     metrics = json.loads((model_dir / "metrics.json").read_text())
     assert (
         metrics["workers"] == 2
-        and metrics["loop"] == "custom"
         and metrics["weights_sha256"].startswith(fingerprints[0])
     )
     assert "tfmp-worker-" in results[1][1]  # The other worker wrote to its temporary place.

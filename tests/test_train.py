@@ -48,7 +48,7 @@ def test_train_binary_smoke(tmp_path):
     files = {p.name for p in (tmp_path / "run").iterdir()}
     # No temporary file left; autotune.json holds auto's float32 / bfloat16 trial on CPUs with bfloat16.
     assert files - {"autotune.json"} == {"metrics.json", "history.csv", "training.png", "tensorboard", "checkpoints"}
-    assert metrics["loop"] == "custom" and metrics["skipped_steps"] == 0 and metrics["peak_memory_mb"] > 0
+    assert metrics["skipped_steps"] == 0 and metrics["peak_memory_mb"] > 0
 
 
 BAD_FLAGS = [
@@ -138,8 +138,9 @@ def test_default_run_reaches_real_accuracy(tmp_path):
     assert metrics["test_accuracy"] >= 0.97, metrics
 
 
-def test_fit_and_custom_loops_report_the_same_metrics(tmp_path):
-    common = dict(
+def test_training_path_feeds_the_monitor(tmp_path):
+    """One loop for the bundled models: tfmp.fit, with its history and TensorBoard scalars."""
+    config = training.Config(
         dataset="synthetic",
         precision="mixed_bfloat16",
         batch_size=16,
@@ -147,39 +148,9 @@ def test_fit_and_custom_loops_report_the_same_metrics(tmp_path):
         steps_per_epoch=4,
         verbose=0,
         log_every=1,
+        model_dir=str(tmp_path / "run"),
     )
-    fit = training.train_and_evaluate(
-        training.Config(loop="fit", checkpoint_every=0, model_dir=str(tmp_path / "fit"), **common)
-    )
-    custom = training.train_and_evaluate(training.Config(loop="custom", model_dir=str(tmp_path / "custom"), **common))
-    assert fit["loop"] == "fit" and custom["loop"] == "custom"
-    assert set(fit) == set(custom) and fit["steps"] == custom["steps"] == 4
-    for run in ("fit", "custom"):  # Both loops feed the monitor: history and TensorBoard scalars.
-        assert (tmp_path / run / "history.csv").read_text().count("\n") == 5
-        assert list((tmp_path / run / "tensorboard").glob("events.out.tfevents.*"))
-
-
-@pytest.mark.parametrize(
-    "flags, broken",
-    [
-        ({"grad_accum_steps": 2, "checkpoint_every": 0}, "keras#20582"),
-        ({"checkpoint_every": 10}, "custom loop only"),
-    ],
-)
-def test_fit_refused_where_it_is_wrong(flags, broken):
-    config = training.Config(loop="fit", **flags)
-    with pytest.raises(UsageError, match=broken):
-        training.choose_loop(config, training.distribute.get_strategy("default"))
-    assert training.choose_loop(training.Config(loop="auto", **flags), training.distribute.get_strategy()) == "custom"
-
-
-def test_fit_refused_for_clipping_over_replicas(mirrored):
-    config = training.Config(loop="fit", clipnorm=1.0, checkpoint_every=0)
-    with pytest.raises(UsageError, match="clips each replica"):
-        training.choose_loop(config, mirrored)
-    assert (
-        training.choose_loop(
-            training.Config(loop="auto", clipnorm=1.0, checkpoint_every=0), training.distribute.get_strategy()
-        )
-        == "fit"
-    )
+    metrics = training.train_and_evaluate(config)
+    assert metrics["steps"] == 4 and "loop" not in metrics
+    assert (tmp_path / "run" / "history.csv").read_text().count("\n") == 5
+    assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))

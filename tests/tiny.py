@@ -1,4 +1,4 @@
-"""A tiny, dropout-free classifier trained through tfmp.loop: shared by the loop tests and
+"""A tiny, dropout-free classifier trained through tfmp.fit: shared by the loop tests and
 the multi-worker processes they start, so every setup runs exactly the same code.
 
 Run as a script, it is one worker of a MultiWorkerMirroredStrategy cluster (TF_CONFIG):
@@ -15,7 +15,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import data, loop, loss_scale  # noqa: E402
+import tfmp  # noqa: E402
+from tfmp import data, loss_scale  # noqa: E402
 
 
 class InjectOverflow(keras.layers.Layer):
@@ -45,16 +46,17 @@ def build(strategy, learning_rate=1e-2, schedule=False):
         )
         lr = keras.optimizers.schedules.ExponentialDecay(learning_rate, 1, 0.5) if schedule else learning_rate
         optimizer = loss_scale.wrap_optimizer(keras.optimizers.Adam(lr), initial_scale=2.0**8)
-    return model, optimizer
+        model.compile(optimizer, "sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, model.optimizer
 
 
-def dataset(global_batch, grad_accum_steps=1):
+def dataset(global_batch):
     source, train, test = data.synthetic("image", 512, image_shape=(8, 8, 1))
     return data.build(
         source,
         train,
         test,
-        global_batch * grad_accum_steps,
+        global_batch,
         seed=1,
         repeat=True,
         drop_remainder=True,
@@ -63,14 +65,20 @@ def dataset(global_batch, grad_accum_steps=1):
 
 
 def train(strategy, init, steps, global_batch, grad_accum_steps=1, clipnorm=None):
-    """Trains from weights `init`; returns the final weights (numpy) and the model."""
+    """Trains `steps` updates from weights `init` (each of `grad_accum_steps` batches of
+    `global_batch`); returns the final weights (numpy) and the model."""
     keras.utils.set_random_seed(0)  # The shuffle order depends on the global seed too.
-    model, optimizer = build(strategy)
+    model, _ = build(strategy)
     model.set_weights(init)
-    runner = loop.Loop(model, optimizer, strategy, global_batch, grad_accum_steps, clipnorm)
-    iterator = iter(dataset(global_batch, grad_accum_steps).distribute(strategy))
-    for _ in range(steps):
-        runner.train_step(iterator)
+    tfmp.fit(
+        model,
+        dataset(global_batch).make_train,  # Per-worker input: each worker reads its own shard.
+        steps_per_epoch=steps * grad_accum_steps,
+        strategy=strategy,
+        grad_accum_steps=grad_accum_steps,
+        clipnorm=clipnorm,
+        verbose=0,
+    )
     return [w.numpy() for w in model.weights], model
 
 

@@ -54,14 +54,17 @@ def _tpu_strategy(tpu):
 
 
 def _mirrored_strategy():
+    # Each MirroredStrategy numbers its collective instances from its class's key base: a
+    # second one in the same process (a notebook that trains twice) would reuse the
+    # first one's keys and fail with "Shape mismatch in the collective instance". A fresh
+    # base per strategy keeps them apart (TensorFlow's own tests do the same).
+    tf.distribute.MirroredStrategy._collective_key_base += 100000  # noqa: SLF001
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
     if gpus:
         return tf.distribute.MirroredStrategy([d.name for d in gpus])
     if len(cpus) > 1:
         # Logical CPU devices: how tests and laptops exercise a real multi-replica setup.
-        # Reduce through one device: collective ops number their instances per strategy
-        # object, so a second CPU MirroredStrategy in the same process would collide.
         return tf.distribute.MirroredStrategy(
             [d.name for d in cpus], cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
