@@ -1,0 +1,61 @@
+"""tfmp.fit on a user's own script in separate processes: exact resume after kill -9, and
+two worker processes ending with the weights of one process."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO
+from test_loop import assert_same, start_workers, wait_all
+
+SCRIPT = os.path.join(REPO, "tests", "user_script.py")
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def run(*args, timeout=300):
+    command = [sys.executable, SCRIPT, *map(str, args)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def load(path):
+    return list(np.load(path).values())
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("unbroken")
+    run(directory / "w.npz", directory / "ckpt")
+    return load(directory / "w.npz")
+
+
+def test_resume_after_kill_9_matches_an_unbroken_run(tmp_path, unbroken):
+    checkpoints = tmp_path / "ckpt"
+    process = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "w.npz"), str(checkpoints), "0.3"], env=ENV)
+    try:
+        for _ in range(1200):  # The checkpoint after batch 8 of 24 (epoch 0 is 8 batches).
+            if (checkpoints / "ckpt-12.index").exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the run ended before it could be killed"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert not (tmp_path / "w.npz").exists()
+    run(tmp_path / "w.npz", checkpoints)
+    for a, b in zip(load(tmp_path / "w.npz"), unbroken, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_two_worker_processes_match_one_process(tmp_path):
+    run(tmp_path / "one.npz", "-", 0, 0)  # No dropout: its masks differ between replicas.
+    results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    for i in range(2):
+        assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))

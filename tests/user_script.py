@@ -1,0 +1,77 @@
+"""A user's own training script: its own two-output model and data, trained by tfmp.fit.
+
+    python tests/user_script.py OUT.npz [CHECKPOINT_DIR|-] [SECONDS_PER_BATCH] [DROPOUT]
+
+Under TF_CONFIG it is one worker of a cluster (`tfmp.get_strategy("auto")` picks
+multi_worker). The optional sleep per batch gives a test time to kill it mid-run.
+"""
+
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmp  # noqa: E402
+
+
+def build(dropout=0.2):
+    features = keras.Input((8,), name="features")
+    hidden = keras.layers.Dense(16, activation="relu")(features)
+    # Its random state must resume too; 0 for comparisons across replicas, whose masks differ.
+    hidden = keras.layers.Dropout(dropout)(hidden)
+    value = keras.layers.Dense(1, name="value")(hidden)
+    label = keras.layers.Dense(3, activation="softmax", name="label")(hidden)
+    model = keras.Model(features, {"value": value, "label": label})
+    model.compile(
+        tfmp.wrap_optimizer(keras.optimizers.AdamW(1e-2)),
+        loss={"value": "mse", "label": "sparse_categorical_crossentropy"},
+        loss_weights={"value": 0.3, "label": 1.0},
+        metrics={"label": ["accuracy"]},
+    )
+    return model
+
+
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.random((256, 8), dtype=np.float32)
+    y = {"value": x.sum(1, keepdims=True), "label": (x[:, 0] * 3).astype(np.int64)}
+    # Reshuffled every epoch from one seed: a resumed run must see the same batches.
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=7).batch(32, drop_remainder=True)
+
+
+class Slow(keras.callbacks.Callback):
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    checkpoint_dir = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
+    seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
+    dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.2
+    tfmp.set_seed(0, deterministic=True)
+    strategy = tfmp.get_strategy("auto")
+    with strategy.scope():
+        model = build(dropout)
+    tfmp.fit(
+        model,
+        data(),
+        epochs=3,
+        grad_accum_steps=2,
+        clipnorm=1.0,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=4,
+        callbacks=[Slow(seconds)],
+        verbose=0,
+    )
+    np.savez(out, *[w.numpy() for w in model.weights])
