@@ -167,7 +167,9 @@ def test_accumulation_under_float16_loss_scaling():
 def test_early_stopping_and_validation_history():
     model = regression()
     stop = keras.callbacks.EarlyStopping(monitor="val_loss", patience=1, min_delta=1e6)
-    history = tfmp.fit(model, regression_data(), validation_data=regression_data(), epochs=10, callbacks=[stop], verbose=0)
+    history = tfmp.fit(
+        model, regression_data(), validation_data=regression_data(), epochs=10, callbacks=[stop], verbose=0
+    )
     assert history.epoch == [0, 1] and len(history.history["val_loss"]) == 2
     assert len(history.history["val_mae"]) == 2 and model.stop_training
 

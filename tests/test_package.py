@@ -42,12 +42,12 @@ def test_installed_library_trains_outside_the_repository(wheel, tmp_path):
     )
     script = (
         "import keras, numpy as np, tensorflow as tf, tfmp\n"
-        "assert tfmp.__file__.startswith(%r)\n"
+        f"assert tfmp.__file__.startswith({str(target)!r})\n"
         "model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])\n"
         "model.compile(tfmp.wrap_optimizer(keras.optimizers.SGD(0.1)), 'mse')\n"
         "ds = tf.data.Dataset.from_tensor_slices((np.ones((8, 4), 'float32'), np.ones((8, 1), 'float32'))).batch(4)\n"
         "print(tfmp.__version__, len(tfmp.fit(model, ds, epochs=2, verbose=0).history['loss']))\n"
-    ) % str(target)
+    )
     env = {**os.environ, "PYTHONPATH": str(target), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
         [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
