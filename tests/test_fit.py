@@ -357,3 +357,42 @@ def test_no_merge_call_overflow_on_one_replica_skips_everywhere(no_merge_call, b
     tfmp.fit(model, data, steps_per_epoch=1, verbose=0)
     assert_same(weights(model), before, atol=0)
     assert int(optimizer.iterations.numpy()) == 1 and float(optimizer.dynamic_scale.numpy()) == 2.0**7
+
+
+def test_steps_per_execution_trains_the_same_weights():
+    one = regression()
+    tfmp.fit(one, regression_data(), epochs=2, verbose=0)
+    batches = []
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(batch))
+    grouped = regression()
+    # 8 batches an epoch: two calls of 3 updates, then two single updates.
+    tfmp.fit(grouped, regression_data(), epochs=2, steps_per_execution=3, callbacks=[counter], verbose=0)
+    assert_same(weights(grouped), weights(one))
+    assert batches == [2, 5, 6, 7] * 2
+
+
+def test_non_finite_loss_stops_with_the_culprit_named():
+    model = tiny.build(tf.distribute.get_strategy())[0]  # float32: no loss scale to absorb it.
+    model.get_layer("inject").bad_replica.assign(0)
+    with pytest.raises(tfmp.TrainingError, match="non-finite loss .* at step 1.*dense"):
+        tfmp.fit(model, tiny.dataset(16).train, steps_per_epoch=3, verbose=0)
+
+
+def test_sigterm_saves_and_raises_preempted(tmp_path):
+    import os
+    import signal
+
+    class Terminate(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    model = regression()
+    with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
+        tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), callbacks=[Terminate()], verbose=0)
+    assert (tmp_path / "ckpt-3.index").exists()
+    resumed = regression()
+    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    unbroken = regression()
+    tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
+    assert_same(weights(resumed), weights(unbroken), atol=0)

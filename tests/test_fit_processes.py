@@ -52,6 +52,30 @@ def test_resume_after_kill_9_matches_an_unbroken_run(tmp_path, unbroken):
         np.testing.assert_array_equal(a, b)
 
 
+def test_sigterm_checkpoints_exits_75_and_resumes(tmp_path, unbroken):
+    checkpoints = tmp_path / "ckpt"
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, str(tmp_path / "w.npz"), str(checkpoints), "0.3"],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(1200):
+            if (checkpoints / "ckpt-4.index").exists() or process.poll() is not None:
+                break
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 75, err[-3000:]
+    assert "preempted: SIGTERM at batch" in err and "Traceback" not in err
+    run(tmp_path / "w.npz", checkpoints)
+    for a, b in zip(load(tmp_path / "w.npz"), unbroken, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_two_worker_processes_match_one_process(tmp_path):
     run(tmp_path / "one.npz", "-", 0, 0)  # No dropout: its masks differ between replicas.
     results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))

@@ -63,15 +63,19 @@ if __name__ == "__main__":
     strategy = tfmp.get_strategy("auto")
     with strategy.scope():
         model = build(dropout)
-    tfmp.fit(
-        model,
-        data(),
-        epochs=3,
-        grad_accum_steps=2,
-        clipnorm=1.0,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=4,
-        callbacks=[Slow(seconds)],
-        verbose=0,
-    )
+    try:
+        tfmp.fit(
+            model,
+            data(),
+            epochs=3,
+            grad_accum_steps=2,
+            clipnorm=1.0,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=4,
+            callbacks=[Slow(seconds)],
+            verbose=0,
+        )
+    except tfmp.Preempted as e:  # SIGTERM: a checkpoint was saved; exit "temporary failure".
+        print(f"preempted: {e}", file=sys.stderr)
+        sys.exit(75)
     np.savez(out, *[w.numpy() for w in model.weights])

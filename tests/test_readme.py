@@ -1,0 +1,27 @@
+"""README's "Your own model" example runs as written and resumes from its checkpoints."""
+
+import os
+import re
+
+from conftest import REPO
+
+
+def _example():
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text.split("## Your own model", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_your_own_model_example_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(_example(), "README.md", "exec"), namespace)  # noqa: S102 - the README's own code.
+    history, model = namespace["history"], namespace["model"]
+    assert len(history.history["val_loss"]) == 3 and history.history["val_kind_accuracy"][-1] > 0.3
+    assert int(model.optimizer.iterations.numpy()) == 3 * 8  # 16 batches an epoch, 2 per update.
+    assert list((tmp_path / "runs" / "mine").glob("ckpt-*.index"))
+    assert (tmp_path / "runs" / "mine" / "history.csv").exists()
+    assert "'val_loss':" in capsys.readouterr().out
+    rerun = {}
+    exec(compile(_example(), "README.md", "exec"), rerun)  # Resumes after the last epoch: nothing left to do.
+    assert rerun["history"].history == {} and int(rerun["model"].optimizer.iterations.numpy()) == 24
