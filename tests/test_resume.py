@@ -41,10 +41,13 @@ def finish(process, timeout=300):
 
 
 def checkpoint_steps(model_dir):
-    directory = model_dir / "checkpoints"
-    if not directory.exists():
+    """The checkpoints that TensorFlow's state file lists: a checkpoint counts once the
+    state file names it (its files are written first), as a resumed run sees it."""
+    state = model_dir / "checkpoints" / "checkpoint"
+    if not state.exists():
         return []
-    return sorted(int(p.name[5:-6]) for p in directory.glob("ckpt-*.index"))
+    lines = [line for line in state.read_text().splitlines() if line.startswith("all_model_checkpoint_paths")]
+    return sorted(int(line.split('"ckpt-')[1].rstrip('"')) for line in lines)
 
 
 def wait_for_checkpoint(process, model_dir, at_least, timeout=120):
@@ -82,7 +85,7 @@ def test_sigkill_at_three_points_then_resume_matches_unbroken(tmp_path, unbroken
     assert metrics["resumed_from_step"] >= killed_after[-1]
     assert metrics["steps"] == unbroken["steps"] == 24
     assert metrics["weights_sha256"] == unbroken["weights_sha256"]
-    assert "resumed     from step" in out
+    assert "resumed     from batch" in out
 
 
 def test_sigterm_saves_exits_cleanly_and_resumes(tmp_path, unbroken):
@@ -95,7 +98,7 @@ def test_sigterm_saves_exits_cleanly_and_resumes(tmp_path, unbroken):
     assert "Traceback" not in err
     lines = [line for line in err.splitlines() if "preempted" in line]
     assert len(lines) == 1 and "checkpoint saved" in lines[0]
-    stopped_at = int(lines[0].split("SIGTERM at step ")[1].split(":")[0])
+    stopped_at = int(lines[0].split("SIGTERM at batch ")[1].split(":")[0])
     assert checkpoint_steps(model_dir)[-1] == stopped_at
     code, _, err = finish(start(model_dir))
     assert code == 0, err[-3000:]
