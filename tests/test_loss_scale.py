@@ -29,6 +29,23 @@ def test_keras_own_wrapper_is_replaced():
     assert type(wrapped) is tfmp.LossScaleOptimizer and wrapped.inner_optimizer is inner
 
 
+def test_rewrapping_keeps_settings_and_state():
+    keras.config.set_dtype_policy("mixed_float16")
+    variables = [tf.Variable(tf.ones((3,)))]
+    own = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(), initial_scale=64.0, dynamic_growth_steps=7)
+    fresh = tfmp.wrap_optimizer(own)
+    assert (fresh.initial_scale, fresh.dynamic_growth_steps, fresh.built) == (64.0, 7, False)
+    own.build(variables)
+    own.dynamic_scale.assign(16.0)
+    own.step_counter.assign(3)
+    slot = own.inner_optimizer.variables[-1]
+    wrapped = tfmp.wrap_optimizer(own)
+    assert float(wrapped.dynamic_scale.numpy()) == 16.0 and int(wrapped.step_counter.numpy()) == 3
+    assert (wrapped.initial_scale, wrapped.dynamic_growth_steps) == (64.0, 7)
+    assert wrapped.inner_optimizer.variables[-1] is slot  # The inner optimizer's state is kept, not rebuilt.
+    assert tfmp.wrap_optimizer(own, initial_scale=8.0).initial_scale == 8.0  # Given values win.
+
+
 def test_compile_does_not_wrap_twice():
     keras.config.set_dtype_policy("mixed_float16")
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2), tfmp.classification_head(2)])
@@ -40,7 +57,9 @@ def test_compile_does_not_wrap_twice():
     assert int(wrapped.iterations.numpy()) == 4
 
 
-@pytest.mark.parametrize("kwargs", [{"initial_scale": 0}, {"growth_steps": 0}, {"growth_steps": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"initial_scale": 0}, {"initial_scale": float("inf")}, {"growth_steps": 0}, {"growth_steps": 1.5}]
+)
 def test_bad_arguments(kwargs):
     with pytest.raises(UsageError):
         tfmp.wrap_optimizer(keras.optimizers.SGD(), **kwargs)
