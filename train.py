@@ -7,11 +7,13 @@ python train.py --model=cnn --strategy=tpu --tpu=local
 """
 
 import dataclasses
-import os
+import sys
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Before TensorFlow loads: hide C++ info lines.
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from tfmp import cli
+
+cli.quiet_start(sys.argv)  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
 
 import models  # noqa: E402
 from tfmp import distribute, precision, training  # noqa: E402
@@ -63,14 +65,13 @@ flags.DEFINE_string("export_dir", None, "Write model.keras and saved_model/ here
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    del argv  # Stray arguments were refused by the flags parser.
     config = training.Config(
         **{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config) if f.name in FLAGS}
     )
-    with training.user_errors("train.py"):
+    with cli.user_errors("train.py"):
         training.train_and_evaluate(config)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("train.py"))

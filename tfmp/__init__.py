@@ -1,30 +1,41 @@
-"""tfmp: mixed-precision training for Keras 3 / TensorFlow that is correct under tf.distribute."""
+"""tfmp: mixed-precision training for Keras 3 / TensorFlow that is correct under tf.distribute.
 
-from tfmp.distribute import BatchPlan, get_strategy, plan_batch
-from tfmp.errors import Preempted, TrainingError, UsageError
-from tfmp.heads import ClassificationHead, audit, classification_head
-from tfmp.loop import evaluate, fit
-from tfmp.loss_scale import LossScaleOptimizer, wrap_optimizer
-from tfmp.precision import configure_precision
-from tfmp.seed import set_seed
+The public names load on first use, so that `import tfmp` is cheap and the command-line
+entry points can silence TensorFlow's start-up before TensorFlow loads.
+"""
+
+import importlib
 
 __version__ = "0.2.0"
 
-__all__ = [
-    "BatchPlan",
-    "ClassificationHead",
-    "LossScaleOptimizer",
-    "Preempted",
-    "TrainingError",
-    "UsageError",
-    "__version__",
-    "audit",
-    "classification_head",
-    "configure_precision",
-    "evaluate",
-    "fit",
-    "get_strategy",
-    "plan_batch",
-    "set_seed",
-    "wrap_optimizer",
-]
+_EXPORTS = {
+    "BatchPlan": "tfmp.distribute",
+    "get_strategy": "tfmp.distribute",
+    "plan_batch": "tfmp.distribute",
+    "Preempted": "tfmp.errors",
+    "TrainingError": "tfmp.errors",
+    "UsageError": "tfmp.errors",
+    "ClassificationHead": "tfmp.heads",
+    "audit": "tfmp.heads",
+    "classification_head": "tfmp.heads",
+    "evaluate": "tfmp.loop",
+    "fit": "tfmp.loop",
+    "LossScaleOptimizer": "tfmp.loss_scale",
+    "wrap_optimizer": "tfmp.loss_scale",
+    "configure_precision": "tfmp.precision",
+    "set_seed": "tfmp.seed",
+}
+
+__all__ = ["__version__", *sorted(_EXPORTS)]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

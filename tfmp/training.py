@@ -14,7 +14,7 @@ from absl import logging
 import models
 from tfmp import autotune, callbacks, data, distribute, export, loop, loss_scale, precision, report, seed
 from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
-from tfmp.errors import Preempted, TrainingError, UsageError
+from tfmp.errors import UsageError
 from tfmp.heads import audit
 
 
@@ -244,20 +244,3 @@ def train_and_evaluate(config, out=sys.stdout):
         flush=True,
     )
     return metrics
-
-
-@contextlib.contextmanager
-def user_errors(prog):
-    """Ends the process with one line on stderr, no traceback, for the errors a user can act
-    on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun)."""
-    try:
-        yield
-    except UsageError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except TrainingError as e:
-        print(f"{prog}: training stopped: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except Preempted as e:
-        print(f"{prog}: preempted: {e}", file=sys.stderr, flush=True)
-        sys.exit(75)
