@@ -62,6 +62,14 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("log_every", 10, "Steps between TensorBoard scalars in MODEL_DIR/tensorboard.")
 flags.DEFINE_string("export_dir", None, "Write model.keras and saved_model/ here after training.")
+flags.DEFINE_enum(
+    "resume",
+    "auto",
+    ["auto", "force"],
+    "auto: resume MODEL_DIR's checkpoint only with the settings it was saved with (batch size, precision, seed, "
+    "model, dataset, grad accumulation, replicas, steps per epoch); force: resume it anyway, giving up an exact "
+    "resume (the input position is counted in this run's batches).",
+)
 
 
 def main(argv):
@@ -69,7 +77,7 @@ def main(argv):
     config = training.Config(
         **{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config) if f.name in FLAGS}
     )
-    with cli.user_errors("train.py"):
+    with cli.user_errors("train.py"), cli.sigterm_exits_75(config.model_dir):
         training.train_and_evaluate(config)
 
 

@@ -1,5 +1,6 @@
 """Periodic, atomic checkpoints of everything a resumed run needs, and their restore."""
 
+import json
 import os
 
 import tensorflow as tf
@@ -81,3 +82,121 @@ class Checkpointer:
             raise TrainingError(
                 f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
             ) from e
+
+
+def latest(directory):
+    """The latest checkpoint's path in `directory`, or None.
+
+    Raises:
+        UsageError: the directory's `checkpoint` state file is unreadable (garbage, a
+            half-copied file): say which, and how to go on.
+    """
+    if not directory or not os.path.exists(os.path.join(directory, "checkpoint")):
+        return None
+    try:
+        return tf.train.latest_checkpoint(directory)
+    except Exception as e:  # noqa: BLE001 - UnicodeDecodeError, protobuf parse errors, OpError...
+        raise UsageError(
+            f"{os.path.join(directory, 'checkpoint')} is unreadable ({type(e).__name__}); move it away to start "
+            "over, or restore it from a backup"
+        ) from e
+
+
+def step_of(path):
+    """The batch count saved in checkpoint `path` (0 for None)."""
+    if not path:
+        return 0
+    try:
+        return int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE"))
+    except (tf.errors.OpError, ValueError) as e:
+        raise UsageError(f"checkpoint {path} is unreadable ({type(e).__name__}); move it away to start over") from e
+
+
+class RunLock:
+    """One run at a time in a directory: an exclusive `flock` on DIRECTORY/.lock.
+
+    The kernel drops the lock when its process ends, however it ends, so a crashed run
+    never leaves the directory stuck. The file names its holder for the message.
+    """
+
+    def __init__(self, directory, flag="--model_dir"):
+        self.path = os.path.join(directory, ".lock")
+        self.directory, self.flag, self._file = directory, flag, None
+
+    def __enter__(self):
+        import fcntl
+        import socket
+        import time
+
+        os.makedirs(self.directory, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115 - held until __exit__.
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as e:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise UsageError(
+                f"{self.flag}={self.directory} is in use by {holder}; wait for it to finish, stop it, or use "
+                f"another {self.flag}"
+            ) from e
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        handle.flush()
+        self._file = handle
+        return self
+
+    def __exit__(self, *exc):
+        os.remove(self.path)  # Still ours: the lock is held until the close below.
+        self._file.close()
+        return False
+
+
+SETTINGS_FILE = "run.json"
+# What an exact resume depends on: a rerun that changes one of these is refused.
+EXACT = ("model", "dataset", "batch_size", "precision", "seed", "grad_accum_steps", "replicas", "steps_per_epoch")
+
+
+def check_settings(run_dir, settings, latest_path, force=False):
+    """Refuses to resume the checkpoint `latest_path` with settings that would change what
+    an exact resume means, and `epochs` fewer than the checkpoint already trained.
+
+    Args:
+        run_dir: the run's directory, holding run.json from the run that saved.
+        settings: this run's settings (a dict with the keys of `EXACT` and `epochs`).
+        latest_path: the checkpoint to resume, or None (then nothing is checked).
+        force: resume even where the `EXACT` settings differ (`--resume=force`).
+
+    Raises:
+        UsageError: naming the differences and the ways out.
+    """
+    path = os.path.join(run_dir, SETTINGS_FILE)
+    if not latest_path or not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path} is unreadable ({type(e).__name__}); move it away to resume anyway") from e
+    changed = [f"{k} {saved[k]} -> {settings[k]}" for k in EXACT if k in saved and saved[k] != settings[k]]
+    if changed and not force:
+        raise UsageError(
+            f"--model_dir={run_dir} holds a checkpoint of a run with other settings ({', '.join(changed)}); "
+            "resuming it would not be exact: use a new --model_dir, or --resume=force to continue from it anyway "
+            "(the input position is then counted in this run's batches)"
+        )
+    epochs_done = int(tf.train.load_variable(latest_path, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
+    if settings["epochs"] < epochs_done:
+        raise UsageError(
+            f"--model_dir={run_dir} has trained {epochs_done} epochs already, more than --epochs={settings['epochs']}; "
+            f"give --epochs={epochs_done} or more to continue, or use a new --model_dir"
+        )
+
+
+def save_settings(run_dir, settings):
+    """Writes the run's settings beside its checkpoints (atomically)."""
+    path = os.path.join(run_dir, SETTINGS_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(settings, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)

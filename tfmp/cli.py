@@ -78,6 +78,26 @@ def flags_parser(prog):
 
 
 @contextlib.contextmanager
+def sigterm_exits_75(model_dir):
+    """SIGTERM at any moment raises `Preempted` (exit 75). While training, `tfmp.fit`
+    puts its own handler in place, which saves a checkpoint first; at any other moment
+    (start-up, evaluation, export) the last checkpoint is intact as it is."""
+    import signal
+
+    def handler(signum, frame):
+        raise Preempted(
+            f"SIGTERM outside training: the last checkpoint in {model_dir}/checkpoints is intact; rerun the same "
+            "command to resume"
+        )
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def user_errors(prog):
     """Ends the process with one line on stderr, no traceback, for the errors a user can act
     on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun)."""

@@ -1,9 +1,13 @@
 """A training run's settings, checked."""
 
+import contextlib
 import dataclasses
+import math
+import os
+import tempfile
 
 import models
-from tfmp import precision
+from tfmp import distribute, precision
 from tfmp.errors import UsageError
 
 DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
@@ -43,22 +47,78 @@ class Config:
     checkpoint_every: int = 200  # Steps between checkpoints; 0 turns checkpointing off.
     log_every: int = 10  # Steps between TensorBoard writes.
     export_dir: str | None = None
+    resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     warmup_steps: int = 3  # Steps left out of the examples/second figure.
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
 
 
+RESUME = ("auto", "force")
+
+
+def _positive_finite(name, value):
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise UsageError(f"--{name} must be a positive finite number, got {value}")
+
+
 def validate(config):
-    """Raises UsageError for settings that are wrong whatever the hardware."""
+    """Raises UsageError for settings that are wrong whatever the hardware: names, ranges,
+    nan and inf, and paths that cannot be written (before anything is written)."""
     if config.model not in models.MODELS:
         raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
     if config.precision not in (*precision.POLICIES, precision.AUTOTUNE):
         choices = ", ".join((*precision.POLICIES, precision.AUTOTUNE))
         raise UsageError(f"unknown precision {config.precision!r}; choose one of {choices}")
-    for name in ("epochs", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):
+    if config.strategy not in distribute.STRATEGIES:
+        raise UsageError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
+    if config.lr_scaling not in distribute.LR_SCALING:
+        raise UsageError(f"unknown lr scaling {config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
+    if config.resume not in RESUME:
+        raise UsageError(f"unknown --resume={config.resume!r}; choose one of {', '.join(RESUME)}")
+    for name in ("epochs", "batch_size", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be >= 1, got {value}")
+    if config.base_batch_size is not None and config.base_batch_size < 1:
+        raise UsageError(f"--base_batch_size must be >= 1, got {config.base_batch_size}")
     if config.checkpoint_every < 0:
         raise UsageError(f"--checkpoint_every must be >= 0 (0: off), got {config.checkpoint_every}")
-    if config.clipnorm is not None and config.clipnorm <= 0:
-        raise UsageError(f"--clipnorm must be > 0, got {config.clipnorm}")
+    if config.warmup_steps < 0:
+        raise UsageError(f"--warmup_steps must be >= 0, got {config.warmup_steps}")
+    _positive_finite("learning_rate", config.learning_rate)
+    _positive_finite("loss_scale_initial", config.loss_scale_initial)
+    if config.clipnorm is not None:
+        _positive_finite("clipnorm", config.clipnorm)
+    if config.loss_scale_growth_steps < 1:
+        raise UsageError(f"--loss_scale_growth_steps must be >= 1, got {config.loss_scale_growth_steps}")
+    if models.MODELS[config.model].kind == "text":
+        if config.vocab_size < 3:  # Padding, out-of-vocabulary and at least one word.
+            raise UsageError(f"--vocab_size must be >= 3, got {config.vocab_size}")
+        if config.sequence_length < 1:
+            raise UsageError(f"--sequence_length must be >= 1, got {config.sequence_length}")
+    if config.export_dir:
+        check_writable(config.export_dir, "--export_dir")
+    check_writable(config.model_dir, "--model_dir")
+
+
+def check_writable(path, flag):
+    """Raises UsageError unless a file can be written in directory `path`.
+
+    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
+    removes whatever directories the try created: a failed run leaves nothing behind.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag}={path} is a file, not a directory")
+    missing, probe = [], os.path.abspath(path)
+    while not os.path.exists(probe):
+        missing.append(probe)  # Deepest first.
+        probe = os.path.dirname(probe)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}={path} cannot be written ({e.strerror or e})") from e
+    finally:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)

@@ -21,10 +21,19 @@ def _tf_config_workers():
     if not raw:
         return 0
     try:
-        cluster = json.loads(raw).get("cluster", {})
+        config = json.loads(raw)
+        cluster, task = config.get("cluster", {}), config.get("task", {})
     except (json.JSONDecodeError, AttributeError) as e:
         raise UsageError(f"TF_CONFIG is not valid JSON ({e}); see BUILD.md for its form") from e
-    return len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    if not isinstance(cluster, dict) or not all(isinstance(v, list) for v in cluster.values()):
+        raise UsageError('TF_CONFIG "cluster" must map task types to lists of host:port; see BUILD.md')
+    workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    if workers > 1 or task:
+        kind, index = task.get("type"), task.get("index", 0)
+        if kind not in cluster or not isinstance(index, int) or not 0 <= index < len(cluster[kind]):
+            names = ", ".join(f"{k} 0..{len(v) - 1}" for k, v in cluster.items())
+            raise UsageError(f"TF_CONFIG task {kind}:{index} is not in its cluster ({names}); see BUILD.md")
+    return workers
 
 
 def _tpu_present():
@@ -44,8 +53,8 @@ def _tpu_strategy(tpu):
         if address not in ("local", ""):
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
-    except (ValueError, RuntimeError, tf.errors.OpError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - a wrong name or address fails in many ways (URLError, ...).
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise UsageError(
             f"--strategy=tpu: no TPU found at tpu={address!r} ({first}); on a Colab or Cloud "
             "TPU VM use --tpu=local, else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"

@@ -12,32 +12,10 @@ import tensorflow as tf
 from absl import logging
 
 import models
-from tfmp import autotune, callbacks, data, distribute, export, loop, loss_scale, precision, report, seed
+from tfmp import autotune, callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
 from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
-from tfmp.errors import UsageError
+from tfmp.errors import TrainingError, UsageError
 from tfmp.heads import audit
-
-
-def _check_writable(path):
-    """Raises UsageError unless a file can be written in directory `path`.
-
-    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
-    removes whatever directories the try created: a failed run leaves nothing behind.
-    """
-    missing, probe = [], os.path.abspath(path)
-    while not os.path.exists(probe):
-        missing.append(probe)  # Deepest first.
-        probe = os.path.dirname(probe)
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UsageError(f"--model_dir={path} cannot be written ({e.strerror or e})") from e
-    finally:
-        for directory in missing:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
 
 
 def _steps_per_epoch(config, ds, plan):
@@ -55,18 +33,29 @@ def _steps_per_epoch(config, ds, plan):
     return steps
 
 
-def _checkpoint_step(directory):
-    """The batch count in the latest checkpoint in `directory`, or 0 without one."""
-    path = tf.train.latest_checkpoint(directory)
-    if not path:
-        return 0
+def _check_batch_memory(plan, source, config):
+    """Refuses a batch whose input alone would not fit in this host's memory."""
+    per_example = 4 * int(np.prod(source.image_shape)) if source.kind == "image" else 8 * config.sequence_length
+    need = plan.per_worker * per_example
     try:
-        return int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE"))
-    except (tf.errors.OpError, ValueError):
-        return 0  # Unreadable: tfmp.fit's restore says so in one line.
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > have / 2:
+        raise UsageError(
+            f"--batch_size={config.batch_size}: one batch of input alone takes {need / 2**30:,.1f} GiB, more than "
+            f"half of this host's {have / 2**30:,.1f} GiB; lower --batch_size (use --grad_accum_steps for a larger "
+            "effective batch)"
+        )
 
 
 def train_and_evaluate(config, out=sys.stdout):
+    """See `_train_and_evaluate`; holds the run directory's lock while it runs."""
+    with contextlib.ExitStack() as cleanup:
+        return _train_and_evaluate(config, out, cleanup)
+
+
+def _train_and_evaluate(config, out, cleanup):
     """Trains `config.model` (or resumes it), evaluates it, and writes the run's files.
 
     Into `config.model_dir` (the chief only): metrics.json, history.csv, training.png,
@@ -102,7 +91,6 @@ def train_and_evaluate(config, out=sys.stdout):
     chief = distribute.is_chief(strategy)
     # Only the chief writes to --model_dir; other workers write to a temporary place.
     model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
-    _check_writable(model_dir)
     plan = distribute.plan_batch(
         config.batch_size,
         strategy.num_replicas_in_sync,
@@ -135,6 +123,27 @@ def train_and_evaluate(config, out=sys.stdout):
             f"{ds.source.kind} model ({', '.join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)})"
         )
     steps = _steps_per_epoch(config, ds, plan)
+    _check_batch_memory(plan, ds.source, config)
+    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
+    latest = checkpoint.latest(checkpoint_dir)
+    start = checkpoint.step_of(latest)
+    # Everything checked: from here on the run writes, and owns --model_dir while it does.
+    if chief:
+        cleanup.enter_context(checkpoint.RunLock(config.model_dir))
+    settings = {
+        "model": config.model,
+        "dataset": dataset,
+        "batch_size": plan.global_batch,
+        "precision": config.precision,
+        "seed": config.seed,
+        "grad_accum_steps": plan.grad_accum_steps,
+        "replicas": strategy.num_replicas_in_sync,
+        "steps_per_epoch": steps,
+        "epochs": config.epochs,
+    }
+    checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
+    if chief:
+        checkpoint.save_settings(config.model_dir, settings)
 
     def build_model():
         if entry.kind == "image":
@@ -157,6 +166,9 @@ def train_and_evaluate(config, out=sys.stdout):
         else:
             decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir)
         precision.apply_policy(decision)
+        # The trial built and trained models: seed again, so that the run's weights do not
+        # depend on whether it ran or was read from the cache.
+        seed.set_seed(config.seed, config.deterministic)
     # 6. Model and optimizer, built and compiled inside the strategy's scope.
     with strategy.scope():
         model = build_model()
@@ -167,35 +179,38 @@ def train_and_evaluate(config, out=sys.stdout):
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
-    total_batches = steps * plan.grad_accum_steps * config.epochs
-    start = min(_checkpoint_step(checkpoint_dir), total_batches) if checkpoint_dir else 0
     print(report.summary(config, decision, strategy, plan, ds.source, model, steps, start), file=out, flush=True)
 
     # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     calls = plan.effective_batch * config.steps_per_execution  # Examples per compiled call.
     throughput = callbacks.Throughput(calls, max(1, config.warmup_steps // config.steps_per_execution))
-    begin = time.perf_counter()
-    loop.fit(
-        model,
-        ds.make_train,  # Per-worker input: each worker reads its own shard.
-        epochs=config.epochs,
-        steps_per_epoch=steps * plan.grad_accum_steps,
-        callbacks=[throughput],
-        strategy=strategy,
-        grad_accum_steps=plan.grad_accum_steps,
-        clipnorm=config.clipnorm,
-        steps_per_execution=config.steps_per_execution,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=config.checkpoint_every,
-        log_dir=model_dir,
-        log_every=config.log_every,
-        verbose=verbose,
-    )
-    train_seconds = time.perf_counter() - begin
-    rate = throughput.examples_per_second
-    test = loop.evaluate(model, ds.test, strategy=strategy)
+    try:
+        begin = time.perf_counter()
+        loop.fit(
+            model,
+            ds.make_train,  # Per-worker input: each worker reads its own shard.
+            epochs=config.epochs,
+            steps_per_epoch=steps * plan.grad_accum_steps,
+            callbacks=[throughput],
+            strategy=strategy,
+            grad_accum_steps=plan.grad_accum_steps,
+            clipnorm=config.clipnorm,
+            steps_per_execution=config.steps_per_execution,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=config.checkpoint_every,
+            log_dir=model_dir,
+            log_every=config.log_every,
+            verbose=verbose,
+        )
+        train_seconds = time.perf_counter() - begin
+        rate = throughput.examples_per_second
+        test = loop.evaluate(model, ds.test, strategy=strategy)
+    except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
+        first = str(e).strip().splitlines()[0][:200]
+        raise TrainingError(
+            f"the input data of {dataset!r} is corrupt ({first}); prepare it again. The checkpoints are intact"
+        ) from e
     test_loss, test_accuracy = test["loss"], test["accuracy"]
     history_path = os.path.join(model_dir, "history.csv")
     skipped = callbacks.skipped_steps(history_path)
