@@ -115,7 +115,7 @@ def test_corrupt_latest_checkpoint_is_one_line_and_previous_still_loads(tmp_path
     assert steps[-2:] == [3, 6]
     data = next((model_dir / "checkpoints").glob("ckpt-6.data-*"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
-    code, _, err = finish(start(model_dir))
+    code, _, err = finish(start(model_dir, "--epochs=1", "--steps_per_epoch=6"))
     assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
     assert len(errors) == 1 and "ckpt-6" in errors[0] and "ckpt-3" in errors[0]
@@ -134,9 +134,13 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
     model_dir = tmp_path / "run"
     code, _, err = finish(start(model_dir, "--epochs=1", "--steps_per_epoch=3"))
     assert code == 0, err[-3000:]
-    code, _, err = finish(
-        start(model_dir, "--model=resnet", "--dataset=synthetic", "--epochs=1", "--steps_per_epoch=3")
-    )
+    other = ["--model=resnet", "--dataset=synthetic", "--epochs=1", "--steps_per_epoch=3"]
+    code, _, err = finish(start(model_dir, *other))
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "model cnn -> resnet" in errors[0]
+    # Forced past the settings check, the checkpoint itself does not load: one line too.
+    code, _, err = finish(start(model_dir, *other, "--resume=force"))
     assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
     assert len(errors) == 1 and "does not load into this model" in errors[0]

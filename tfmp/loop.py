@@ -359,7 +359,6 @@ class _Run:
         self.log_dir, self.log_every = log_dir, log_every
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
-        self._saved_at = None
 
     def _monitor(self, start_step):
         if not self.log_dir:
@@ -375,7 +374,7 @@ class _Run:
         model, steps, source = self.model, self.steps, self.input
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
         offset = position - epoch * source.period if source.streamed else position
-        self.step = self._saved_at = step
+        self.step = step
         self.monitor = self._monitor(step)
         iterator = source.stream(epoch * source.period + offset) if source.streamed else None
         stop, handler = threading.Event(), _preemption_handler(steps.strategy, self.saver)
@@ -444,7 +443,8 @@ class _Run:
                     f"SIGTERM at batch {self.step}: checkpoint saved in {self.saver.directory}; rerun the same "
                     "command to resume"
                 )
-            if self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches:
+            due = self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches
+            if due and not (total is not None and done >= total):  # An epoch's end saves as the next's start.
                 self._save(epoch, position)
             if model.stop_training:
                 break
@@ -459,13 +459,10 @@ class _Run:
         return logs
 
     def _save(self, epoch, position):
-        if self._saved_at == self.step:
-            return  # Saved at this batch already (checkpoint_every fell on the epoch's end).
         culprit = tfmp_callbacks.first_non_finite(self.model.weights)
         if culprit:  # Never let a non-finite state become the latest checkpoint.
             raise TrainingError(f"non-finite weight {culprit} at batch {self.step}; not checkpointed, training stopped")
         self.saver.save(self.step, epoch, position)
-        self._saved_at = self.step
         if self.monitor is not None:
             self.monitor.flush()
 

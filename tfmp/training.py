@@ -166,10 +166,9 @@ def _train_and_evaluate(config, out, cleanup):
         else:
             decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir)
         precision.apply_policy(decision)
-        # The trial built and trained models: seed again, so that the run's weights do not
-        # depend on whether it ran or was read from the cache.
-        seed.set_seed(config.seed, config.deterministic)
-    # 6. Model and optimizer, built and compiled inside the strategy's scope.
+    # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
+    # first: a precision trial (measured, cached or none) must not change the weights.
+    seed.set_seed(config.seed, config.deterministic)
     with strategy.scope():
         model = build_model()
         optimizer = loss_scale.wrap_optimizer(
