@@ -261,3 +261,26 @@ def test_same_seed_same_weights_whatever_the_precision_trial_did(tmp_path):
     )
     assert fresh["policy"] == cached["policy"] == explicit["policy"]
     assert fresh["weights_sha256"] == cached["weights_sha256"] == explicit["weights_sha256"]
+
+
+SHARED_MNIST = os.path.join(os.path.dirname(REPO), "shared", "datasets", "mnist_t10k", "1.0.0")
+
+
+@pytest.mark.skipif(not os.path.isdir(SHARED_MNIST), reason="needs ../shared/datasets")
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_record_file_is_refused_before_training(tmp_path, capsys, damage):
+    prepared = tmp_path / "mnist_t10k" / "1.0.0"
+    shutil.copytree(SHARED_MNIST, prepared)
+    (train,) = prepared.glob("*-train.tfrecord-*")
+    train.chmod(0o644)
+    data = bytearray(train.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) * 2 // 3]
+    else:
+        data[len(data) // 2] ^= 0x10  # One bit in the middle of a record.
+    train.write_bytes(bytes(data))
+    model_dir = tmp_path / "run"
+    assert run_main(f"--dataset={prepared}", "--epochs=1", "--steps_per_epoch=2", f"--model_dir={model_dir}") == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "corrupt record file" in lines[0], lines
+    assert not model_dir.exists()

@@ -5,6 +5,7 @@ dicts, plus a `Source` describing them, so one pipeline serves all of them.
 """
 
 import dataclasses
+import glob
 import gzip
 import os
 import pathlib
@@ -142,10 +143,41 @@ def _tfds_builder(name, data_dir, download):
     return builder
 
 
+# Record files up to this size are read through once before training: a truncated or
+# corrupted file then ends the run before anything is written, not halfway through it.
+VERIFY_BYTES = 512 * 2**20
+
+
+def _verify_records(builder, name):
+    """Reads every record of a prepared dataset once (CRC-checked), if it is small enough,
+    and compares the count with the one its metadata promises.
+
+    Raises:
+        UsageError: a file is truncated or corrupted, or records are missing.
+    """
+    files = sorted(glob.glob(os.path.join(str(builder.data_dir), "*.tfrecord*")))
+    if not files or sum(os.path.getsize(f) for f in files) > VERIFY_BYTES:
+        return
+    try:
+        count = sum(int(n) for n in tf.data.TFRecordDataset(files).batch(4096).map(lambda b: tf.shape(b)[0]))
+    except (tf.errors.DataLossError, tf.errors.OpError) as e:
+        first = str(e).strip().splitlines()[0][:160]
+        raise UsageError(
+            f"dataset {name!r} has a corrupt record file in {builder.data_dir} ({first}); prepare it again"
+        ) from e
+    expected = sum(split.num_examples for split in builder.info.splits.values()) if builder.info.splits else None
+    if expected and count != expected:
+        raise UsageError(
+            f"dataset {name!r} in {builder.data_dir} holds {count} records where its metadata says {expected}; "
+            "prepare it again"
+        )
+
+
 def _tfds(name, data_dir, download):
     import tensorflow_datasets as tfds
 
     builder = _tfds_builder(name, data_dir, download)
+    _verify_records(builder, name)
     features = builder.info.features
     label = _find_key(features, _LABEL_KEYS, name, "label")
     num_classes = features[label].num_classes
