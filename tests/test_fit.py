@@ -396,3 +396,13 @@ def test_sigterm_saves_and_raises_preempted(tmp_path):
     unbroken = regression()
     tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
     assert_same(weights(resumed), weights(unbroken), atol=0)
+
+
+def test_checkpoint_dir_is_one_run_at_a_time_and_must_be_writable(tmp_path):
+    from tfmp import checkpoint
+
+    with checkpoint.RunLock(str(tmp_path), "checkpoint_dir"):
+        with pytest.raises(UsageError, match="checkpoint_dir=.* is in use by pid"):
+            tfmp.fit(regression(), regression_data(), checkpoint_dir=str(tmp_path), verbose=0)
+    with pytest.raises(UsageError, match="cannot be written"):
+        tfmp.fit(regression(), regression_data(), checkpoint_dir="/proc/tfmp_ckpt", verbose=0)

@@ -1,7 +1,9 @@
 """Periodic, atomic checkpoints of everything a resumed run needs, and their restore."""
 
+import contextlib
 import json
 import os
+import tempfile
 
 import tensorflow as tf
 from absl import logging
@@ -200,3 +202,27 @@ def save_settings(run_dir, settings):
     with open(path + ".tmp", "w") as f:
         json.dump(settings, f, indent=2, sort_keys=True)
     os.replace(path + ".tmp", path)
+
+
+def check_writable(path, flag):
+    """Raises UsageError unless a file can be written in directory `path`.
+
+    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
+    removes whatever directories the try created: a failed run leaves nothing behind.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag}={path} is a file, not a directory")
+    missing, probe = [], os.path.abspath(path)
+    while not os.path.exists(probe):
+        missing.append(probe)  # Deepest first.
+        probe = os.path.dirname(probe)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag}={path} cannot be written ({e.strerror or e})") from e
+    finally:
+        for directory in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)

@@ -1,13 +1,11 @@
 """A training run's settings, checked."""
 
-import contextlib
 import dataclasses
 import math
-import os
-import tempfile
 
 import models
 from tfmp import distribute, precision
+from tfmp.checkpoint import check_writable
 from tfmp.errors import UsageError
 
 DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
@@ -98,27 +96,3 @@ def validate(config):
     if config.export_dir:
         check_writable(config.export_dir, "--export_dir")
     check_writable(config.model_dir, "--model_dir")
-
-
-def check_writable(path, flag):
-    """Raises UsageError unless a file can be written in directory `path`.
-
-    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
-    removes whatever directories the try created: a failed run leaves nothing behind.
-    """
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag}={path} is a file, not a directory")
-    missing, probe = [], os.path.abspath(path)
-    while not os.path.exists(probe):
-        missing.append(probe)  # Deepest first.
-        probe = os.path.dirname(probe)
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag}={path} cannot be written ({e.strerror or e})") from e
-    finally:
-        for directory in missing:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)

@@ -108,13 +108,16 @@ def fit(
     if log_dir and not chief:
         log_dir = tempfile.mkdtemp(prefix="tfmp-worker-logs-")
     saver, position, step = None, initial_epoch * (train_input.period or 0), 0
-    if checkpoint_dir:
-        target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
-        saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
-        if saver.restore():
-            initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
-    run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
-    return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
+    with contextlib.ExitStack() as cleanup:
+        if checkpoint_dir:
+            if chief:  # One run at a time in a checkpoint directory.
+                cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
+            target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
+            saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
+            if saver.restore():
+                initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
+        run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
+        return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
 
 
 def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
@@ -177,6 +180,9 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         )
     if clipnorm is not None and not (isinstance(clipnorm, int | float) and 0 < clipnorm < math.inf):
         raise UsageError(f"clipnorm must be a positive finite number, got {clipnorm!r}")
+    for name in ("checkpoint_dir", "log_dir"):
+        if kw[name]:
+            checkpoint.check_writable(kw[name], name)
     if kw["verbose"] not in VERBOSE:
         raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {kw['verbose']!r}")
     built_under = model.distribute_strategy
