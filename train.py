@@ -13,7 +13,7 @@ from absl import app, flags
 
 from tfmp import cli
 
-cli.quiet_start(sys.argv)  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
+cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
 
 import models  # noqa: E402
 from tfmp import distribute, precision, training  # noqa: E402

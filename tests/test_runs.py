@@ -284,3 +284,14 @@ def test_damaged_record_file_is_refused_before_training(tmp_path, capsys, damage
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "corrupt record file" in lines[0], lines
     assert not model_dir.exists()
+
+
+@pytest.mark.parametrize("after", [0.5, 5.0])  # While TensorFlow loads; during start-up or training.
+def test_sigterm_at_any_moment_exits_75_with_one_line(tmp_path, after):
+    process = _process(*SMALL, "--steps_per_epoch=100000", f"--model_dir={tmp_path / 'run'}")
+    time.sleep(after)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 75, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "preempted: SIGTERM" in lines[0], err

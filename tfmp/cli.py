@@ -42,9 +42,20 @@ def native_logs_silenced(active=True):
         os.close(saved)
 
 
-def quiet_start(argv):
+def quiet_start(argv, prog):
     """Loads TensorFlow and lists its devices with the C++ start-up lines silenced, unless
-    `-v`/`--verbosity` asks for everything."""
+    `-v`/`--verbosity` asks for everything. SIGTERM meanwhile exits 75 at once (nothing
+    has been written yet); `sigterm_exits_75` takes over once the run starts."""
+    import signal
+
+    stderr = os.dup(2)  # The real one: fd 2 goes to /dev/null while TensorFlow loads.
+
+    def early(signum, frame):
+        line = f"{prog}: preempted: SIGTERM during start-up; nothing was written; rerun the same command\n"
+        os.write(stderr, line.encode())
+        os._exit(75)
+
+    signal.signal(signal.SIGTERM, early)
     verbose = wants_logs(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
     with native_logs_silenced(not verbose):
