@@ -23,6 +23,10 @@ _EXPORTS = {
     "LossScaleOptimizer": "tfmp.loss_scale",
     "wrap_optimizer": "tfmp.loss_scale",
     "configure_precision": "tfmp.precision",
+    "keep_float32": "tfmp.precision",
+    "Diagnosis": "tfmp.doctor",
+    "diagnose": "tfmp.doctor",
+    "parity": "tfmp.doctor",
     "set_seed": "tfmp.seed",
 }
 

@@ -311,6 +311,5 @@ def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None):
     scale_note = f" with the loss scale down to {scale:g}" if scale is not None else ""
     return (
         f"non-finite loss ({float(loss)}){where}{scale_note}; {detail}. Training stopped; the last "
-        "checkpoint holds finite weights. Lower --learning_rate, check the input data, or keep the layer "
-        "in float32"
+        "checkpoint holds finite weights"
     )

@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, loss_scale
+from tfmp import checkpoint, distribute, doctor, loss_scale
 from tfmp.errors import Preempted, TrainingError, UsageError
 from tfmp.steps import Steps
 
@@ -436,7 +436,7 @@ class _Run:
                 out["step_loss"], steps.optimizer, model, steps.first_non_finite_gradient(out["finite"]), self.step
             )
             if message:
-                raise TrainingError(message)
+                raise TrainingError(f"{message}. Replay of the failing batch: {self._replay(position - batches)}")
             self.callbacks.on_train_batch_end(done - 1, logs)
             if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
                 self.saver.step.assign(self.step)
@@ -455,6 +455,17 @@ class _Run:
             if model.stop_training:
                 break
         return logs, done
+
+    def _replay(self, position):
+        """Where the non-finite values of the update that began at `position` came from."""
+        source = self.input
+        try:
+            ds = source.data if source.fn is None else source.fn(tf.distribute.InputContext())
+            ds = (ds.repeat() if source.streamed else ds).skip(position).take(1)
+            scale = loss_scale.loss_scale_of(self.steps.optimizer)
+            return doctor.localize_non_finite(self.model, next(iter(ds)), scale)
+        except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the error it explains.
+            return f"not possible ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
 
     def _logs(self, out):
         """What callbacks see after a call: the model's metrics (running means over the

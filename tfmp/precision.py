@@ -1,7 +1,9 @@
 """Decide the global Keras dtype policy once, from the user's choice or the hardware."""
 
+import contextlib
 import dataclasses
 import functools
+import re
 import typing
 
 import keras
@@ -165,3 +167,40 @@ def compute_dtype():
 def needs_loss_scaling():
     """Whether the global policy computes in float16, the only one that needs a loss scale."""
     return compute_dtype() == "float16"
+
+
+@contextlib.contextmanager
+def keep_float32(names_or_regexes):
+    """Layers created in this block whose path matches one of `names_or_regexes` compute
+    in float32 under a mixed global policy; every other layer follows the policy.
+
+    Built on Keras' `DTypePolicyMap`: inside the block the global policy is a map from
+    layer paths (names for top-level layers; full-match regular expressions) to float32,
+    whose default is the current global policy. It takes exactly the names
+    `tfmp.diagnose(...).keep_float32` returns. Variables stay float32 either way.
+
+    Args:
+        names_or_regexes: a layer name, a regular expression, or a list of them.
+
+    Example:
+        >>> with tfmp.keep_float32(["layer_norm.*", "logits"]):
+        ...     model = build_model()
+    """
+    patterns = [names_or_regexes] if isinstance(names_or_regexes, str) else list(names_or_regexes)
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise UsageError(f"keep_float32: {pattern!r} is not a regular expression ({e})") from e
+    previous = keras.config.dtype_policy()
+    if not patterns:
+        yield
+        return
+    # One key: DTypePolicyMap refuses a path that matches two of its keys.
+    combined = "|".join(f"(?:{p})" for p in patterns)
+    policy_map = keras.dtype_policies.DTypePolicyMap(previous, {combined: keras.DTypePolicy("float32")})
+    keras.config.set_dtype_policy(policy_map)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(previous)

@@ -1,0 +1,130 @@
+"""The numerics doctor: float16 overflow named per layer, keep_float32 fixing it, gradient
+underflow and the recommended loss scale, NaN localisation, the PNG, parity over seeds."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny
+
+import tfmp
+from tfmp import doctor, heads
+
+rng = np.random.default_rng(0)
+X = rng.random((256, 8), dtype=np.float32) * 10
+Y = X.sum(1, keepdims=True) / 10
+
+
+def data(factor=1.0):
+    return tf.data.Dataset.from_tensor_slices((X * factor, Y * factor)).batch(32)
+
+
+def overflowing(initial_scale=None):
+    """Its `blowup` layer's outputs reach about 2e5: float16 overflows there, and only there
+    (the float32 head `out` takes them back to the targets' scale)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="dense")(inputs)
+    x = keras.layers.Rescaling(1e4, name="blowup")(x)
+    small = keras.initializers.RandomNormal(stddev=1e-5)
+    outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=small, name="out")(x)
+    model = keras.Model(inputs, outputs)
+    optimizer = keras.optimizers.Adam(1e-4)
+    model.compile(tfmp.wrap_optimizer(optimizer, initial_scale=initial_scale) if initial_scale else optimizer, "mse")
+    return model
+
+
+def clean():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return model
+
+
+def test_overflowing_layer_is_named_and_no_other():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = overflowing()
+    before = [w.numpy() for w in model.weights]
+    diagnosis = tfmp.diagnose(model, data(), steps=4)
+    assert diagnosis.keep_float32 == ["blowup"]
+    records = {r["name"]: r for r in diagnosis.layers}
+    assert records["blowup"]["output_max_abs"] > doctor.FLOAT16_MAX and records["dense"]["output_max_abs"] < 1e3
+    assert records["blowup"]["compute_dtype"] == "float16" and records["out"]["compute_dtype"] == "float32"
+    for a, b in zip(before, [w.numpy() for w in model.weights], strict=True):
+        np.testing.assert_array_equal(a, b)  # The user's model is untouched.
+    assert "blowup" in diagnosis.table() and "keep in float32: blowup" in diagnosis.table()
+
+
+def test_keep_float32_makes_float16_training_finite():
+    keras.config.set_dtype_policy("mixed_float16")
+    with pytest.raises(tfmp.TrainingError, match="first non-finite output: layer 'blowup'.*keep_float32"):
+        tfmp.fit(overflowing(), data(), epochs=3, verbose=0)  # Every step overflows: the scale collapses.
+    diagnosis = tfmp.diagnose(overflowing(), data(), steps=4)
+    with tfmp.keep_float32(diagnosis.keep_float32):
+        model = overflowing(initial_scale=diagnosis.recommended_loss_scale)
+    assert model.get_layer("blowup").compute_dtype == "float32"
+    assert model.get_layer("dense").compute_dtype == "float16"  # The others follow the policy.
+    assert all(w.dtype == "float32" for w in model.weights) and heads.audit(model) == []
+    history = tfmp.fit(model, data(), epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    assert int(model.optimizer.iterations.numpy()) >= 20  # Hardly any of the 24 updates skipped.
+
+
+def test_clean_model_names_nothing():
+    keras.config.set_dtype_policy("mixed_float16")
+    diagnosis = tfmp.diagnose(clean(), data(), steps=3)
+    assert diagnosis.keep_float32 == [] and not any(r["forward_overflow"] for r in diagnosis.layers)
+    assert diagnosis.steps == 3 and len(diagnosis.layers) == 2
+
+
+def test_tiny_gradients_underflow_at_scale_1_and_the_recommended_scale_lifts_them():
+    diagnosis = tfmp.diagnose(clean(), data(1e-5), steps=3)  # Inputs, targets and gradients near 1e-5 and below.
+    scale = diagnosis.recommended_loss_scale
+    assert scale >= 2**10 and math_is_power_of_two(scale)
+    first = diagnosis.layers[0]
+    assert first["underflow_at_1"] > 0.0 or first["subnormal_at_1"] > 0.0
+    assert first["underflow_at_recommended"] < first["underflow_at_1"] or first["underflow_at_1"] == 0
+    assert first["subnormal_at_recommended"] < first["subnormal_at_1"]
+    assert max(r["gradient_max_abs"] for r in diagnosis.layers) * scale <= doctor.FLOAT16_MAX
+
+
+def math_is_power_of_two(value):
+    return value == 2.0 ** round(np.log2(value))
+
+
+def test_outputs_json_table_and_gradient_histogram(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    diagnosis = tfmp.diagnose(overflowing(), data(), steps=2)
+    json_path, png_path = diagnosis.save(str(tmp_path))
+    saved = json.loads(open(json_path).read())
+    assert saved["keep_float32"] == ["blowup"] and len(saved["layers"]) == 3
+    assert {"layers", "keep_float32", "recommended_loss_scale"} <= set(diagnosis.to_dict())
+    assert sum(saved["histogram"]["counts"]) == sum(r["gradient_values"] for r in saved["layers"])
+    assert (tmp_path / "gradients.png").stat().st_size > 5000 and png_path.endswith("gradients.png")
+
+
+def test_nan_localisation_names_the_layer():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = tiny.build(tf.distribute.get_strategy())[0]
+    model.get_layer("inject").bad_replica.assign(0)  # Its output is inf x: every step skipped.
+    replay = "Replay of the failing batch: first non-finite output: layer '[a-z_/]*inject' .*keep_float32"
+    with pytest.raises(tfmp.TrainingError, match=replay):
+        tfmp.fit(model, tiny.dataset(16).train, steps_per_epoch=20, verbose=0)
+
+
+def test_nan_localisation_after_the_weights_broke():
+    model = tiny.build(tf.distribute.get_strategy())[0]  # float32: the non-finite update was applied.
+    model.get_layer("inject").bad_replica.assign(0)
+    with pytest.raises(tfmp.TrainingError, match="Replay of the failing batch: the weights are non-finite already"):
+        tfmp.fit(model, tiny.dataset(16).train, steps_per_epoch=2, verbose=0)
+
+
+def test_parity_within_and_beyond_noise():
+    same = doctor.parity(lambda policy, seed: 0.80 + 0.01 * seed, seeds=3)
+    assert same["within_noise"] and same["difference"] == 0.0
+    worse = doctor.parity(lambda policy, seed: 0.80 + 0.001 * seed - (0.05 if policy != "float32" else 0), seeds=3)
+    assert not worse["within_noise"] and worse["difference"] == pytest.approx(-0.05)
+    with pytest.raises(tfmp.UsageError, match="at least 2 seeds"):
+        doctor.parity(lambda policy, seed: 1.0, seeds=1)

@@ -1,0 +1,357 @@
+"""The numerics doctor: what breaks in float16 before it breaks, where a NaN came from, and
+whether a mixed policy costs accuracy.
+
+- `diagnose(model, data, steps)` trains a float32 copy of the model for a few steps and
+  records, per layer, the range of its outputs and of its weight gradients: which outputs
+  exceed float16's maximum (65504: no loss scale helps those, keep them in float32), what
+  fraction of the gradients underflow float16 at loss scale 1 and at a recommended scale,
+  and how far each output moves when the model runs in bfloat16.
+- `localize_non_finite(model, batch)` replays a batch in the model's own precision and
+  names the first layer whose output, or whose gradient, is not finite.
+- `parity(run, seeds)` compares test accuracy of float32 and a mixed policy over seeds.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp.errors import UsageError
+
+FLOAT16_MAX = 65504.0
+FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
+FLOAT16_NORMAL = 2.0**-14  # Below this float16 is subnormal: fewer significant bits.
+MAX_SCALE = 2.0**24
+HEADROOM = 2.0**-3  # The recommended scale keeps the largest gradient 3 binades below 65504.
+BFLOAT16_TOLERANCE = 0.05  # Relative output error that marks a layer as bfloat16-sensitive.
+_BINS = np.arange(-100, 41)  # Integer log2 bins: a power-of-two scale shifts them exactly.
+
+
+def _layers(model):
+    return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+
+
+def _copy(model, dtype):
+    """A copy of a functional or Sequential model with every layer in `dtype`, same weights."""
+
+    def clone_layer(layer):
+        config = layer.get_config()
+        config["dtype"] = dtype
+        return layer.__class__.from_config(config)
+
+    try:
+        copy = keras.models.clone_model(model, clone_function=clone_layer)
+        copy.set_weights(model.get_weights())
+    except Exception as e:  # noqa: BLE001 - subclassed models and layers without get_config fail in many ways.
+        raise UsageError(
+            f"diagnose needs a functional or Sequential model whose layers have get_config ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else ''})"
+        ) from e
+    return copy
+
+
+def _probe(model):
+    """A model returning the predictions and every layer's output(s), sharing `model`'s layers."""
+    layers = _layers(model)
+    if isinstance(model, keras.Sequential):  # Its layers may never have been called symbolically.
+        x = inputs = keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype)
+        outs = []
+        for layer in layers:
+            x = layer(x)
+            outs.append(x)
+        return keras.Model(inputs, {"prediction": x, "layers": outs}), layers
+    outputs = {"prediction": model.output, "layers": [layer.output for layer in layers]}
+    return keras.Model(model.inputs, outputs), layers
+
+
+def _abs_values(tensors):
+    flat = [np.abs(np.asarray(t, dtype=np.float64)).ravel() for t in tf.nest.flatten(tensors) if t is not None]
+    return np.concatenate(flat) if flat else np.zeros(0)
+
+
+def _log2_histogram(values):
+    nonzero = values[values > 0]
+    bins = np.clip(np.floor(np.log2(nonzero)), _BINS[0], _BINS[-1]).astype(int) - _BINS[0]
+    return np.bincount(bins, minlength=len(_BINS)), int(values.size - nonzero.size)
+
+
+def _fraction_below(histogram, zeros, threshold, scale):
+    """Fraction of non-zero values v with v * scale < threshold (powers of two: exact)."""
+    total = histogram.sum()
+    if not total:
+        return 0.0
+    edge = int(math.log2(threshold / scale)) - _BINS[0]
+    return float(histogram[: max(edge, 0)].sum() / total)
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """What `diagnose` found.
+
+    Attributes:
+        layers: one record per layer (name, class, compute dtype in the model, output and
+            gradient ranges, float16 overflow and underflow, bfloat16 output error).
+        keep_float32: layers to keep in float32: their outputs exceed float16's maximum,
+            or their gradients do even at loss scale 1. Pass it to `tfmp.keep_float32`.
+        recommended_loss_scale: a power of two that lifts the gradients out of float16's
+            underflow while keeping the largest 3 binades below its maximum.
+        bfloat16_sensitive: layers whose output moves more than 5% in bfloat16.
+        steps: float32 training steps measured.
+        histogram: counts of floor(log2 |gradient|) over all layers, per integer bin.
+    """
+
+    layers: list
+    keep_float32: list
+    recommended_loss_scale: float
+    bfloat16_sensitive: list
+    steps: int
+    histogram: dict
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def table(self):
+        """The console table."""
+        scale = self.recommended_loss_scale
+        head = (
+            f"{'layer':24s} {'dtype':8s} {'max |out|':>10s} {'max |grad|':>10s} "
+            f"{'<2^-24 @1':>9s} {'<2^-14 @1':>9s} {f'<2^-24 @2^{int(math.log2(scale))}':>11s} {'bf16 err':>8s}"
+        )
+        lines = [head]
+        for r in self.layers:
+            mark = "  <- exceeds float16" if r["forward_overflow"] else ""
+            lines.append(
+                f"{r['name'][:24]:24s} {r['compute_dtype']:8s} "
+                f"{r['output_max_abs']:10.3g} {r['gradient_max_abs']:10.3g} "
+                f"{r['underflow_at_1']:9.1%} {r['subnormal_at_1']:9.1%} {r['underflow_at_recommended']:11.1%} "
+                f"{r['bfloat16_relative_error']:8.1%}{mark}"
+            )
+        lines.append(f"keep in float32: {', '.join(self.keep_float32) or 'none'}")
+        lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
+        if self.bfloat16_sensitive:
+            lines.append(f"bfloat16-sensitive (>5% output error): {', '.join(self.bfloat16_sensitive)}")
+        return "\n".join(lines)
+
+    def save(self, directory):
+        """Writes diagnosis.json and gradients.png into `directory`; returns their paths."""
+        os.makedirs(directory, exist_ok=True)
+        json_path = os.path.join(directory, "diagnosis.json")
+        with open(json_path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+        return json_path, self.plot(os.path.join(directory, "gradients.png"))
+
+    def plot(self, path):
+        """Histogram of log2 |gradient| over all layers, float16's range shaded (after
+        Micikevicius et al. 2017, "Mixed Precision Training", Fig. 3)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        bins, counts = np.array(self.histogram["log2_bins"]), np.array(self.histogram["counts"])
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.axvspan(-24, -14, color="tab:orange", alpha=0.15, label="float16 subnormal")
+        ax.axvspan(-14, math.log2(FLOAT16_MAX), color="tab:green", alpha=0.15, label="float16 normal")
+        ax.bar(bins + 0.5, np.maximum(counts, 0), width=1.0, color="tab:blue", label="gradients (loss scale 1)")
+        shift = math.log2(self.recommended_loss_scale)
+        ax.step(bins + shift, counts, where="post", color="tab:red", label=f"x 2^{int(shift)} (recommended)")
+        ax.set_yscale("symlog")
+        ax.set_xlabel("log2 |gradient|")
+        ax.set_ylabel("values")
+        ax.set_title(f"weight gradients of {len(self.layers)} layers over {self.steps} float32 steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def _loss(model, y, y_pred, sample_weight, copy):
+    compiled = getattr(model, "_compile_loss", None)
+    terms = [compiled(y, y_pred, sample_weight)] if compiled is not None else []
+    terms += list(copy.losses)
+    if not terms:
+        raise UsageError("diagnose needs a compiled loss (model.compile(loss=...)) or layer losses")
+    return tf.add_n([tf.cast(t, tf.float32) for t in terms])
+
+
+def diagnose(model, data, steps=8):
+    """Runs `steps` float32 training steps on a copy of `model` and reports, per layer, what
+    float16 and bfloat16 would do to its outputs and gradients. `model` is not changed.
+
+    Args:
+        model: a compiled functional or Sequential Keras model, in any policy.
+        data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches.
+        steps: batches to train on and measure.
+
+    Returns:
+        A `Diagnosis`.
+    """
+    if not getattr(model, "compiled", False):
+        raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
+    copy = _copy(model, "float32")
+    probe, layers = _probe(copy)
+    low_copy = _copy(model, "mixed_bfloat16")
+    low_probe, _ = _probe(low_copy)
+    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    optimizer = inner.__class__.from_config(inner.get_config())
+    names = [layer.path for layer in _layers(model)]
+    dtypes = [layer.compute_dtype for layer in _layers(model)]
+    out_max = np.zeros(len(layers))
+    hist = np.zeros((len(layers), len(_BINS)), dtype=np.int64)
+    zeros = np.zeros(len(layers), dtype=np.int64)
+    grad_max = np.zeros(len(layers))
+    bf16_error = np.zeros(len(layers))
+    done = 0
+    for batch in data.take(steps):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        with tf.GradientTape() as tape:
+            out = probe(x, training=True)
+            loss = _loss(model, y, out["prediction"], sample_weight, copy)
+        variables = [layer.trainable_variables for layer in layers]
+        grads = tape.gradient(loss, variables)
+        for i, (values, layer_grads) in enumerate(zip(out["layers"], grads, strict=True)):
+            out_max[i] = max(out_max[i], float(_abs_values(values).max(initial=0.0)))
+            g = _abs_values(layer_grads)
+            counts, z = _log2_histogram(g)
+            hist[i] += counts
+            zeros[i] += z
+            grad_max[i] = max(grad_max[i], float(g.max(initial=0.0)))
+        if done == 0:  # bfloat16: the same batch forward, each layer's output against float32's.
+            low = low_probe(x, training=False)["layers"]
+            ref = probe(x, training=False)["layers"]
+            for i, (a, b) in enumerate(zip(low, ref, strict=True)):
+                fa = np.concatenate([np.asarray(t, np.float64).ravel() for t in tf.nest.flatten(a)])
+                fb = np.concatenate([np.asarray(t, np.float64).ravel() for t in tf.nest.flatten(b)])
+                bf16_error[i] = float(np.linalg.norm(fa - fb) / (np.linalg.norm(fb) + 1e-30))
+        optimizer.apply([g for group in grads for g in group], [v for group in variables for v in group])
+        done += 1
+    if not done:
+        raise UsageError("diagnose got no batches from the data")
+    largest = float(grad_max.max(initial=0.0))
+    scale = 1.0
+    if largest > 0:
+        scale = 2.0 ** math.floor(math.log2(FLOAT16_MAX * HEADROOM / largest))
+    scale = float(min(max(scale, 1.0), MAX_SCALE))
+    any_low = any(d in ("float16", "bfloat16") for d in dtypes)
+    records, keep = [], []
+    for i, name in enumerate(names):
+        overflow = bool(out_max[i] > FLOAT16_MAX)
+        grad_overflow = bool(grad_max[i] > FLOAT16_MAX)
+        records.append(
+            {
+                "name": name,
+                "class": type(layers[i]).__name__,
+                "compute_dtype": dtypes[i],
+                "output_max_abs": out_max[i],
+                "forward_overflow": overflow,
+                "gradient_max_abs": grad_max[i],
+                "gradient_overflow_at_1": grad_overflow,
+                "gradient_values": int(hist[i].sum() + zeros[i]),
+                "underflow_at_1": _fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, 1.0),
+                "subnormal_at_1": _fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, 1.0),
+                "underflow_at_recommended": _fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, scale),
+                "subnormal_at_recommended": _fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, scale),
+                "bfloat16_relative_error": bf16_error[i],
+            }
+        )
+        # Only layers that would compute in low precision need keeping (all, for a model
+        # that is float32 throughout, diagnosed before choosing a mixed policy).
+        if (overflow or grad_overflow) and (dtypes[i] != "float32" or not any_low):
+            keep.append(name)
+    return Diagnosis(
+        layers=records,
+        keep_float32=keep,
+        recommended_loss_scale=scale,
+        bfloat16_sensitive=[n for n, e in zip(names, bf16_error, strict=True) if e > BFLOAT16_TOLERANCE],
+        steps=done,
+        histogram={"log2_bins": _BINS.tolist(), "counts": hist.sum(0).tolist()},
+    )
+
+
+def localize_non_finite(model, batch, loss_scale=None):
+    """Replays `batch` through `model` in its own precision and says where the first
+    non-finite value appeared, and what would help.
+
+    Returns:
+        One sentence: the first layer (in forward order) whose output is not finite, or,
+        with finite outputs, the layer nearest the loss whose weight gradient is not.
+    """
+    broken = next((w.path for w in model.weights if not np.isfinite(np.asarray(w, np.float32)).all()), None)
+    if broken:
+        return (
+            f"the weights are non-finite already (first: {broken}), so the replay cannot tell where it began; "
+            "rerun from the last checkpoint, or diagnose the model with tfmp.diagnose"
+        )
+    try:
+        probe, layers = _probe(model)
+    except Exception:  # noqa: BLE001 - subclassed models have no graph to probe.
+        return "replay not possible for this model (no functional graph)"
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+    with tf.GradientTape() as tape:
+        out = probe(x, training=False)
+        loss = _loss(model, y, out["prediction"], sample_weight, model) * (loss_scale or 1.0)
+    for layer, values in zip(layers, out["layers"], strict=True):
+        finite = all(bool(np.isfinite(np.asarray(t, np.float32)).all()) for t in tf.nest.flatten(values))
+        if not finite:
+            fix = (
+                f"keeping it in float32 would help (tfmp.keep_float32([{layer.path!r}]) or --keep_float32={layer.path})"
+                if layer.compute_dtype in ("float16", "bfloat16")
+                else "it computes in float32 already: check the input data and the learning rate"
+            )
+            where = f"layer {layer.path!r} ({type(layer).__name__}, {layer.compute_dtype})"
+            return f"first non-finite output: {where}; {fix}"
+    grads = tape.gradient(loss, [layer.trainable_variables for layer in layers])
+    for layer, layer_grads in reversed(list(zip(layers, grads, strict=True))):
+        if not all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in layer_grads if g is not None):
+            fix = (
+                f"a lower loss scale would help (it was {loss_scale:g})"
+                if loss_scale and loss_scale > 1
+                else "lower the learning rate or keep the layer in float32"
+            )
+            return f"outputs finite; first non-finite gradient: layer {layer.path!r} ({type(layer).__name__}); {fix}"
+    return "the replayed batch gives finite outputs and gradients: the weights were already non-finite"
+
+
+def parity(run, seeds=3, policies=("float32", "mixed_bfloat16")):
+    """Test accuracy of each policy over `seeds` seeds, and whether they differ beyond the
+    seed-to-seed noise.
+
+    Args:
+        run: `run(policy, seed) -> test accuracy` (trains a fresh model).
+        seeds: how many seeds (0, 1, ...) per policy.
+        policies: the two policies to compare, float32 first.
+
+    Returns:
+        A dict: per policy the accuracies, mean and standard deviation; `difference`
+        (mixed minus float32), `noise` (standard error of that difference) and
+        `within_noise` (the difference is within two standard errors).
+    """
+    if seeds < 2:
+        raise UsageError(f"parity needs at least 2 seeds to measure the noise, got {seeds}")
+    result = {}
+    for policy in policies:
+        accuracies = [float(run(policy, seed)) for seed in range(seeds)]
+        result[policy] = {
+            "accuracies": accuracies,
+            "mean": statistics.mean(accuracies),
+            "std": statistics.stdev(accuracies),
+        }
+    base, mixed = (result[p] for p in policies)
+    noise = math.sqrt(base["std"] ** 2 / seeds + mixed["std"] ** 2 / seeds)
+    difference = mixed["mean"] - base["mean"]
+    result.update(
+        {
+            "policies": list(policies),
+            "seeds": seeds,
+            "difference": difference,
+            "noise": noise,
+            "within_noise": abs(difference) <= 2 * noise,
+        }
+    )
+    return result
