@@ -62,6 +62,18 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer("log_every", 10, "Steps between TensorBoard scalars in MODEL_DIR/tensorboard.")
 flags.DEFINE_string("export_dir", None, "Write model.keras and saved_model/ here after training.")
+flags.DEFINE_list(
+    "keep_float32",
+    [],
+    "Layer names or regular expressions (full match), comma-separated, built in float32 under a mixed "
+    "policy; e.g. what --diagnose recommends.",
+)
+flags.DEFINE_bool(
+    "diagnose",
+    False,
+    "Instead of training: run the numerics doctor (8 float32 steps) and write its report, JSON and gradient "
+    "histogram to MODEL_DIR/doctor.",
+)
 flags.DEFINE_enum(
     "resume",
     "auto",

@@ -157,7 +157,17 @@ class RunLock:
 
 SETTINGS_FILE = "run.json"
 # What an exact resume depends on: a rerun that changes one of these is refused.
-EXACT = ("model", "dataset", "batch_size", "precision", "seed", "grad_accum_steps", "replicas", "steps_per_epoch")
+EXACT = (
+    "model",
+    "dataset",
+    "batch_size",
+    "precision",
+    "keep_float32",
+    "seed",
+    "grad_accum_steps",
+    "replicas",
+    "steps_per_epoch",
+)
 
 
 def check_settings(run_dir, settings, latest_path, force=False):

@@ -9,19 +9,26 @@ whether a mixed policy costs accuracy.
 - `localize_non_finite(model, batch)` replays a batch in the model's own precision and
   names the first layer whose output, or whose gradient, is not finite.
 - `parity(run, seeds)` compares test accuracy of float32 and a mixed policy over seeds.
+
+Command line, for the bundled models: `python -m tfmp.doctor --help`.
 """
 
-import dataclasses
-import json
-import math
-import os
-import statistics
+if __name__ == "__main__":  # python -m tfmp.doctor: start quietly, before TensorFlow loads.
+    from tfmp import doctor_cli
 
-import keras
-import numpy as np
-import tensorflow as tf
+    doctor_cli.run()
 
-from tfmp.errors import UsageError
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp.errors import UsageError  # noqa: E402
 
 FLOAT16_MAX = 65504.0
 FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
@@ -41,7 +48,8 @@ def _copy(model, dtype):
 
     def clone_layer(layer):
         config = layer.get_config()
-        config["dtype"] = dtype
+        if isinstance(layer, keras.layers.Layer):  # Not the bare operations (x + y) of a graph.
+            config["dtype"] = dtype
         return layer.__class__.from_config(config)
 
     try:
@@ -70,7 +78,11 @@ def _probe(model):
 
 
 def _abs_values(tensors):
-    flat = [np.abs(np.asarray(t, dtype=np.float64)).ravel() for t in tf.nest.flatten(tensors) if t is not None]
+    flat = [
+        np.abs(np.asarray(t.values if isinstance(t, tf.IndexedSlices) else t, dtype=np.float64)).ravel()
+        for t in tf.nest.flatten(tensors, expand_composites=False)
+        if t is not None
+    ]
     return np.concatenate(flat) if flat else np.zeros(0)
 
 
@@ -160,6 +172,9 @@ class Diagnosis:
         ax.bar(bins + 0.5, np.maximum(counts, 0), width=1.0, color="tab:blue", label="gradients (loss scale 1)")
         shift = math.log2(self.recommended_loss_scale)
         ax.step(bins + shift, counts, where="post", color="tab:red", label=f"x 2^{int(shift)} (recommended)")
+        used = np.nonzero(counts)[0]
+        if used.size:
+            ax.set_xlim(bins[used[0]] - 4, max(bins[used[-1]] + shift, math.log2(FLOAT16_MAX)) + 4)
         ax.set_yscale("symlog")
         ax.set_xlabel("log2 |gradient|")
         ax.set_ylabel("values")
@@ -200,7 +215,7 @@ def diagnose(model, data, steps=8):
     low_probe, _ = _probe(low_copy)
     inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
     optimizer = inner.__class__.from_config(inner.get_config())
-    names = [layer.path for layer in _layers(model)]
+    names = [layer.path or layer.name for layer in _layers(model)]
     dtypes = [layer.compute_dtype for layer in _layers(model)]
     out_max = np.zeros(len(layers))
     hist = np.zeros((len(layers), len(_BINS)), dtype=np.int64)
@@ -298,13 +313,14 @@ def localize_non_finite(model, batch, loss_scale=None):
         loss = _loss(model, y, out["prediction"], sample_weight, model) * (loss_scale or 1.0)
     for layer, values in zip(layers, out["layers"], strict=True):
         finite = all(bool(np.isfinite(np.asarray(t, np.float32)).all()) for t in tf.nest.flatten(values))
+        name = layer.path or layer.name
         if not finite:
             fix = (
-                f"keeping it in float32 would help (tfmp.keep_float32([{layer.path!r}]) or --keep_float32={layer.path})"
+                f"keeping it in float32 would help (tfmp.keep_float32([{name!r}]) or --keep_float32={name})"
                 if layer.compute_dtype in ("float16", "bfloat16")
                 else "it computes in float32 already: check the input data and the learning rate"
             )
-            where = f"layer {layer.path!r} ({type(layer).__name__}, {layer.compute_dtype})"
+            where = f"layer {name!r} ({type(layer).__name__}, {layer.compute_dtype})"
             return f"first non-finite output: {where}; {fix}"
     grads = tape.gradient(loss, [layer.trainable_variables for layer in layers])
     for layer, layer_grads in reversed(list(zip(layers, grads, strict=True))):
@@ -314,7 +330,8 @@ def localize_non_finite(model, batch, loss_scale=None):
                 if loss_scale and loss_scale > 1
                 else "lower the learning rate or keep the layer in float32"
             )
-            return f"outputs finite; first non-finite gradient: layer {layer.path!r} ({type(layer).__name__}); {fix}"
+            name = layer.path or layer.name
+            return f"outputs finite; first non-finite gradient: layer {name!r} ({type(layer).__name__}); {fix}"
     return "the replayed batch gives finite outputs and gradients: the weights were already non-finite"
 
 

@@ -12,7 +12,20 @@ import tensorflow as tf
 from absl import logging
 
 import models
-from tfmp import autotune, callbacks, checkpoint, data, distribute, export, loop, loss_scale, precision, report, seed
+from tfmp import (
+    autotune,
+    callbacks,
+    checkpoint,
+    data,
+    distribute,
+    doctor,
+    export,
+    loop,
+    loss_scale,
+    precision,
+    report,
+    seed,
+)
 from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
 from tfmp.errors import TrainingError, UsageError
 from tfmp.heads import audit
@@ -47,6 +60,19 @@ def _check_batch_memory(plan, source, config):
             f"half of this host's {have / 2**30:,.1f} GiB; lower --batch_size (use --grad_accum_steps for a larger "
             "effective batch)"
         )
+
+
+def _diagnose(config, build_model, strategy, ds, out):
+    """--diagnose: the numerics doctor on the run's model and data, instead of training."""
+    if config.precision in ("auto", precision.AUTOTUNE):
+        precision.apply_policy(precision.resolve_policy("auto"))
+    seed.set_seed(config.seed, config.deterministic)
+    with strategy.scope():
+        model = models.compile(build_model(), keras.optimizers.Adam(config.learning_rate))
+    diagnosis = doctor.diagnose(model, ds.make_train(), steps=8)
+    json_path, png_path = diagnosis.save(os.path.join(config.model_dir, "doctor"))
+    print(f"{diagnosis.table()}\nwrote {json_path} and {png_path}", file=out, flush=True)
+    return diagnosis.to_dict()
 
 
 def train_and_evaluate(config, out=sys.stdout):
@@ -140,17 +166,21 @@ def _train_and_evaluate(config, out, cleanup):
         "replicas": strategy.num_replicas_in_sync,
         "steps_per_epoch": steps,
         "epochs": config.epochs,
+        "keep_float32": list(config.keep_float32),
     }
     checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
     if chief:
         checkpoint.save_settings(config.model_dir, settings)
 
     def build_model():
-        if entry.kind == "image":
-            return entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-        return entry.build(
-            ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(), sequence_length=config.sequence_length
-        )
+        with precision.keep_float32(list(config.keep_float32)):
+            if entry.kind == "image":
+                return entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
+            vocab_size = ds.vectorizer.vocabulary_size()
+            return entry.build(ds.source.num_classes, vocab_size=vocab_size, sequence_length=config.sequence_length)
+
+    if config.diagnose:
+        return _diagnose(config, build_model, strategy, ds, out)
 
     if config.precision == precision.AUTOTUNE or trial:
         if plan.workers > 1 and not trial:

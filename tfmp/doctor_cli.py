@@ -1,0 +1,121 @@
+"""`python -m tfmp.doctor` for the bundled models (see `tfmp.doctor` for the library).
+
+    python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer float16 report
+    python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
+"""
+
+import os
+import sys
+import tempfile
+
+from absl import app, flags
+
+from tfmp import cli
+
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+    flags.DEFINE_string("model", "cnn", "A bundled model: cnn, resnet, lstm, transformer.")
+    flags.DEFINE_string("dataset", None, "Dataset (default: the shipped sample for the model's input kind).")
+    flags.DEFINE_string("data_dir", None, "Where TFDS looks for prepared datasets.")
+    flags.DEFINE_enum(
+        "policy", "mixed_float16", ["mixed_float16", "mixed_bfloat16"], "The policy the model is built under."
+    )
+    flags.DEFINE_integer("steps", 8, "float32 training steps the diagnosis measures.")
+    flags.DEFINE_integer("batch_size", 128, "Global batch size.")
+    flags.DEFINE_string("output_dir", "doctor_out", "Where diagnosis.json, gradients.png (or parity.json) go.")
+    flags.DEFINE_bool("parity", False, "Compare test accuracy of float32 and --policy over --seeds seeds instead.")
+    flags.DEFINE_integer("seeds", 3, "Seeds per policy for --parity.")
+    flags.DEFINE_integer("epochs", 2, "Epochs per --parity run.")
+    flags.DEFINE_integer("steps_per_epoch", None, "Steps per epoch for --parity runs (default: one pass).")
+    flags.DEFINE_float("learning_rate", 1e-3, "Learning rate for --parity runs.")
+
+
+def run_parity():
+    from tfmp import doctor, training
+
+    def run(policy, seed):
+        with tempfile.TemporaryDirectory() as model_dir:
+            config = training.Config(
+                model=FLAGS.model,
+                dataset=FLAGS.dataset,
+                data_dir=FLAGS.data_dir,
+                precision=policy,
+                epochs=FLAGS.epochs,
+                steps_per_epoch=FLAGS.steps_per_epoch,
+                batch_size=FLAGS.batch_size,
+                learning_rate=FLAGS.learning_rate,
+                seed=seed,
+                deterministic=True,
+                checkpoint_every=0,
+                model_dir=model_dir,
+                verbose=0,
+            )
+            accuracy = training.train_and_evaluate(config, out=open(os.devnull, "w"))["test_accuracy"]
+        print(f"  {policy:15s} seed {seed}: test accuracy {accuracy:.4f}", flush=True)
+        return accuracy
+
+    result = doctor.parity(run, FLAGS.seeds, ("float32", FLAGS.policy))
+    for policy in result["policies"]:
+        r = result[policy]
+        print(f"{policy:15s} mean {r['mean']:.4f}  std {r['std']:.4f}  over seeds 0..{FLAGS.seeds - 1}")
+    verdict = "within" if result["within_noise"] else "BEYOND"
+    print(
+        f"difference {result['difference']:+.4f}, standard error {result['noise']:.4f}: {verdict} the seed-to-seed "
+        "noise (2 standard errors)"
+    )
+    return result
+
+
+def run_diagnosis():
+    import keras
+
+    import models
+    from tfmp import data, doctor
+
+    entry = models.MODELS[FLAGS.model]
+    ds = data.load(
+        FLAGS.dataset or {"image": "digits", "text": "sentiment"}[entry.kind],
+        FLAGS.batch_size,
+        FLAGS.data_dir,
+        kind=entry.kind,
+        repeat=True,
+        drop_remainder=True,
+    )
+    keras.config.set_dtype_policy(FLAGS.policy)
+    if entry.kind == "image":
+        model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
+    else:
+        model = entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size())
+    models.compile(model, keras.optimizers.Adam(1e-3))
+    diagnosis = doctor.diagnose(model, ds.train, FLAGS.steps)
+    print(diagnosis.table())
+    return diagnosis
+
+
+def main(argv):
+    del argv
+    import json
+
+    with cli.user_errors("tfmp.doctor"):
+        import models
+
+        if FLAGS.model not in models.MODELS:
+            raise cli.UsageError(f"unknown model {FLAGS.model!r}; choose one of {', '.join(models.MODELS)}")
+        os.makedirs(FLAGS.output_dir, exist_ok=True)
+        if FLAGS.parity:
+            result = run_parity()
+            path = os.path.join(FLAGS.output_dir, "parity.json")
+            with open(path, "w") as f:
+                json.dump(result, f, indent=2)
+        else:
+            json_path, png_path = run_diagnosis().save(FLAGS.output_dir)
+            path = f"{json_path} and {png_path}"
+        print(f"wrote {path}")
+
+
+def run():
+    cli.quiet_start(sys.argv, "tfmp.doctor")
+    define_flags()
+    app.run(main, flags_parser=cli.flags_parser("tfmp.doctor"))
