@@ -6,9 +6,9 @@ import re
 from conftest import REPO
 
 
-def _example():
+def _example(heading="## Your own model"):
     text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Your own model", 1)[1]
+    section = text.split(heading, 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -25,3 +25,19 @@ def test_your_own_model_example_runs(tmp_path, monkeypatch, capsys):
     rerun = {}
     exec(compile(_example(), "README.md", "exec"), rerun)  # Resumes after the last epoch: nothing left to do.
     assert rerun["history"].history == {} and int(rerun["model"].optimizer.iterations.numpy()) == 24
+
+
+def test_numerics_doctor_example_runs(tmp_path, monkeypatch, capsys):
+    import numpy as np
+
+    monkeypatch.chdir(tmp_path)
+    namespace = {}
+    exec(compile(_example("## Numerics doctor"), "README.md", "exec"), namespace)  # noqa: S102
+    assert namespace["diagnosis"].keep_float32 == ["blowup"]
+    assert np.isfinite(namespace["history"].history["loss"]).all()
+    assert (tmp_path / "doctor" / "gradients.png").exists()
+    table = capsys.readouterr().out
+    readme = open(os.path.join(REPO, "README.md")).read()
+    for line in table.splitlines():  # The README shows this example's real output.
+        if line.startswith(("keep in float32", "recommended")):
+            assert line in readme, line

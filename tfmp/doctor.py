@@ -248,12 +248,14 @@ def diagnose(model, data, steps=8):
         done += 1
     if not done:
         raise UsageError("diagnose got no batches from the data")
-    largest = float(grad_max.max(initial=0.0))
+    any_low = any(d in ("float16", "bfloat16") for d in dtypes)
+    # Only low-precision layers' gradients live in float16; float32 layers' never overflow it.
+    low = [i for i, d in enumerate(dtypes) if d != "float32" or not any_low]
+    largest = float(grad_max[low].max(initial=0.0)) if low else 0.0
     scale = 1.0
     if largest > 0:
         scale = 2.0 ** math.floor(math.log2(FLOAT16_MAX * HEADROOM / largest))
     scale = float(min(max(scale, 1.0), MAX_SCALE))
-    any_low = any(d in ("float16", "bfloat16") for d in dtypes)
     records, keep = [], []
     for i, name in enumerate(names):
         overflow = bool(out_max[i] > FLOAT16_MAX)
