@@ -1,11 +1,15 @@
 """A user's own training script: its own two-output model and data, trained by tfmp.fit.
 
-    python tests/user_script.py OUT.npz [CHECKPOINT_DIR|-] [SECONDS_PER_BATCH] [DROPOUT]
+    python tests/user_script.py OUT.npz [CHECKPOINT_DIR|-] [SECONDS_PER_BATCH] [DROPOUT] [BATCH]
+
+OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
+all get the same arguments (python -m tfmp.launch).
 
 Under TF_CONFIG it is one worker of a cluster (`tfmp.get_strategy("auto")` picks
 multi_worker). The optional sleep per batch gives a test time to kill it mid-run.
 """
 
+import json
 import os
 import sys
 import time
@@ -37,12 +41,12 @@ def build(dropout=0.2):
     return model
 
 
-def data():
+def data(batch=32):
     rng = np.random.default_rng(3)
     x = rng.random((256, 8), dtype=np.float32)
     y = {"value": x.sum(1, keepdims=True), "label": (x[:, 0] * 3).astype(np.int64)}
     # Reshuffled every epoch from one seed: a resumed run must see the same batches.
-    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=7).batch(32, drop_remainder=True)
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=7).batch(batch, drop_remainder=True)
 
 
 class Slow(keras.callbacks.Callback):
@@ -55,10 +59,12 @@ class Slow(keras.callbacks.Callback):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1]
+    index = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
+    out = sys.argv[1].format(worker=index)
     checkpoint_dir = sys.argv[2] if len(sys.argv) > 2 and sys.argv[2] != "-" else None
     seconds = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     dropout = float(sys.argv[4]) if len(sys.argv) > 4 else 0.2
+    batch = int(sys.argv[5]) if len(sys.argv) > 5 else 32
     tfmp.set_seed(0, deterministic=True)
     strategy = tfmp.get_strategy("auto")
     with strategy.scope():
@@ -66,7 +72,7 @@ if __name__ == "__main__":
     try:
         tfmp.fit(
             model,
-            data(),
+            data(batch),
             epochs=3,
             grad_accum_steps=2,
             clipnorm=1.0,

@@ -12,6 +12,7 @@ _EXPORTS = {
     "BatchPlan": "tfmp.distribute",
     "get_strategy": "tfmp.distribute",
     "plan_batch": "tfmp.distribute",
+    "PeerLost": "tfmp.errors",
     "Preempted": "tfmp.errors",
     "TrainingError": "tfmp.errors",
     "UsageError": "tfmp.errors",

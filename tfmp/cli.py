@@ -9,7 +9,7 @@ import sys
 
 from absl import flags, logging
 
-from tfmp.errors import Preempted, TrainingError, UsageError
+from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError
 
 
 def wants_logs(argv):
@@ -111,7 +111,8 @@ def sigterm_exits_75(model_dir):
 @contextlib.contextmanager
 def user_errors(prog):
     """Ends the process with one line on stderr, no traceback, for the errors a user can act
-    on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun)."""
+    on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun),
+    `PeerLost` (exit 76: another worker died; rerun)."""
     try:
         yield
     except UsageError as e:
@@ -122,3 +123,6 @@ def user_errors(prog):
     except Preempted as e:
         print(f"{prog}: preempted: {e}", file=sys.stderr, flush=True)
         sys.exit(75)
+    except PeerLost as e:
+        print(f"{prog}: lost a peer: {e}", file=sys.stderr, flush=True)
+        sys.exit(76)

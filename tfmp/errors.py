@@ -14,3 +14,7 @@ class TrainingError(RuntimeError):
 
 class Preempted(RuntimeError):
     """SIGTERM arrived; a checkpoint was saved. Exit status 75 (temporary failure: rerun)."""
+
+
+class PeerLost(RuntimeError):
+    """Another worker of the job died or stopped answering: exit status 76 (rerun to resume)."""

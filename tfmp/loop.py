@@ -2,6 +2,8 @@
 
 import contextlib
 import math
+import os
+import re
 import signal
 import tempfile
 import threading
@@ -12,10 +14,11 @@ import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import checkpoint, distribute, doctor, loss_scale
-from tfmp.errors import Preempted, TrainingError, UsageError
+from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError
 from tfmp.steps import Steps
 
 VERBOSE = ("auto", 0, 1, 2)
+PROGRESS_ENV = "TFMP_PROGRESS_FILE"  # Where tfmp.launch asks each worker to say how far it got.
 # What a compiled step returns besides the model's metric results.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
@@ -117,7 +120,30 @@ def fit(
             if saver.restore():
                 initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
         run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
-        return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
+        try:
+            return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
+        except _PEER_ERRORS as e:
+            if distribute.num_workers(strategy) < 2:
+                raise
+            raise PeerLost(_peer_message(e, saver)) from e
+
+
+# What a collective op raises when another worker dies or its heartbeats stop.
+_PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.InternalError,
+    tf.errors.CancelledError,
+    tf.errors.DeadlineExceededError,
+)
+
+
+def _peer_message(error, saver):
+    tasks = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error))))
+    who = ", ".join(f"{job} {index}" for job, index in tasks) or "another worker"
+    latest = tf.train.latest_checkpoint(saver.restore_from) if saver is not None else None
+    kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was saved yet"
+    return f"{who} stopped answering ({type(error).__name__}); {kept}; rerun the job to resume"
 
 
 def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
@@ -363,6 +389,7 @@ class _Run:
             model=model,
         )
         self.log_dir, self.log_every = log_dir, log_every
+        self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
 
@@ -428,6 +455,9 @@ class _Run:
                 break  # Unknown length: the epoch ended.
             batches = updates * n
             done, self.step = done + batches, self.step + batches
+            if self.progress_path:
+                with open(self.progress_path, "w") as f:
+                    f.write(str(self.step))
             position = epoch * self.input.period + done if self.input.streamed else done
             logs = self._logs(out)
             if self.monitor is not None:
