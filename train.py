@@ -13,7 +13,8 @@ from absl import app, flags
 
 from tfmp import cli
 
-cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
+if __name__ == "__main__":
+    cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
 
 import models  # noqa: E402
 from tfmp import distribute, precision, training  # noqa: E402

@@ -84,4 +84,7 @@ if __name__ == "__main__":
     except tfmp.Preempted as e:  # SIGTERM: a checkpoint was saved; exit "temporary failure".
         print(f"preempted: {e}", file=sys.stderr)
         sys.exit(75)
+    except tfmp.PeerLost as e:  # Another worker died: rerun the job to resume.
+        print(f"lost a peer: {e}", file=sys.stderr)
+        sys.exit(76)
     np.savez(out, *[w.numpy() for w in model.weights])

@@ -17,51 +17,37 @@ def wants_logs(argv):
     return any(a in ("-v", "--verbosity") or a.startswith(("-v=", "--verbosity=")) for a in argv[1:])
 
 
-@contextlib.contextmanager
-def native_logs_silenced(active=True):
-    """Sends file descriptor 2 to /dev/null while TensorFlow loads and probes its devices.
+def quiet_start(argv, prog):
+    """Keeps TensorFlow's C++ log lines off stderr, unless `-v`/`--verbosity` is given.
 
-    TensorFlow's C++ start-up lines (oneDNN, CPU features, CUDA probing, the absl
-    "before InitializeLog" notice) are written there before any log level applies, so
-    `TF_CPP_MIN_LOG_LEVEL` cannot hide them. Python's own errors raised in the block are
-    printed after it, on the restored stderr.
+    TensorFlow writes them (oneDNN and CPU-feature notes, CUDA probing, collective aborts)
+    to file descriptor 2 directly, before and regardless of any log level. Here fd 2 goes
+    to /dev/null and Python's `sys.stderr` to a copy of the real one: every line tfmp,
+    absl or Python prints (errors, warnings, tracebacks) still shows; native ones do not.
+    SIGTERM while TensorFlow loads exits 75 at once (nothing has been written yet);
+    `sigterm_exits_75` takes over once the run starts.
     """
-    if not active:
-        yield
+    import signal
+
+    if wants_logs(argv):
         return
     sys.stderr.flush()
-    saved = os.dup(2)
+    real = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def quiet_start(argv, prog):
-    """Loads TensorFlow and lists its devices with the C++ start-up lines silenced, unless
-    `-v`/`--verbosity` asks for everything. SIGTERM meanwhile exits 75 at once (nothing
-    has been written yet); `sigterm_exits_75` takes over once the run starts."""
-    import signal
-
-    stderr = os.dup(2)  # The real one: fd 2 goes to /dev/null while TensorFlow loads.
+    sys.stderr = os.fdopen(real, "w", buffering=1)
 
     def early(signum, frame):
         line = f"{prog}: preempted: SIGTERM during start-up; nothing was written; rerun the same command\n"
-        os.write(stderr, line.encode())
+        os.write(real, line.encode())
         os._exit(75)
 
     signal.signal(signal.SIGTERM, early)
-    verbose = wants_logs(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "0" if verbose else "2")
-    with native_logs_silenced(not verbose):
-        import tensorflow as tf
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
 
-        tf.config.list_physical_devices()  # CUDA probing ("failed call to cuInit") happens here.
+    tf.config.list_physical_devices()  # CUDA probing ("failed call to cuInit") happens here.
 
 
 def error(prog, message, status=2):
