@@ -181,6 +181,7 @@ def test_two_worker_train_binary(tmp_path):
         "training.png",
         "tensorboard",
         "checkpoints",
+        "run.json",
     }
     assert len(list((model_dir / "checkpoints").glob("ckpt-*.index"))) == 1  # The chief's final checkpoint only.
     metrics = json.loads((model_dir / "metrics.json").read_text())
