@@ -47,7 +47,8 @@ def test_train_binary_smoke(tmp_path):
         assert words in result.stdout
     files = {p.name for p in (tmp_path / "run").iterdir()}
     # No temporary file left; autotune.json holds auto's float32 / bfloat16 trial on CPUs with bfloat16.
-    assert files - {"autotune.json"} == {"metrics.json", "history.csv", "training.png", "tensorboard", "checkpoints", "run.json"}
+    expected = {"metrics.json", "history.csv", "training.png", "tensorboard", "checkpoints", "run.json"}
+    assert files - {"autotune.json"} == expected
     assert metrics["skipped_steps"] == 0 and metrics["peak_memory_mb"] > 0
 
 
