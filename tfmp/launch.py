@@ -10,7 +10,8 @@ chief's stdout and stderr in full, the others' stderr. When a worker exits with 
 or is killed, the others get SIGTERM, then SIGKILL after `--grace_seconds`; the launcher
 exits with the first failure's status and one line saying which worker ended how.
 SIGTERM or Ctrl-C to the launcher is passed to every worker (they checkpoint and exit 75).
-A job in which no worker finishes a step for `--stall_timeout` seconds is ended too.
+A job in which no worker finishes a step for `--stall_timeout` seconds (or a first step
+within `--startup_timeout`) is ended too, naming each worker's state and progress.
 Rerunning the same command resumes from the chief's checkpoint.
 
 The launcher imports neither TensorFlow nor Keras.
@@ -118,6 +119,9 @@ def parse(argv):
     parser.add_argument(
         "--stall_timeout", type=float, default=900.0, help="end a job with no finished step for this long (900 s)"
     )
+    parser.add_argument(
+        "--startup_timeout", type=float, default=1800.0, help="end a job with no first step after this long (1800 s)"
+    )
     parser.add_argument("script", help="train.py or any script that calls tfmp.get_strategy('auto') / tfmp.fit")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     options = parser.parse_args(argv)
@@ -142,7 +146,8 @@ def main(argv=None):
         cluster, indices = [f"127.0.0.1:{p}" for p in free_ports(options.workers)], range(options.workers)
     progress_dir = tempfile.mkdtemp(prefix="tfmp-launch-")
     print(
-        f"tfmp.launch: {len(cluster)} worker(s) {', '.join(cluster)}; stall timeout {options.stall_timeout:g} s",
+        f"tfmp.launch: {len(cluster)} worker(s) {', '.join(cluster)}; stall timeout {options.stall_timeout:g} s "
+        f"(start-up {options.startup_timeout:g} s)",
         file=sys.stderr,
         flush=True,
     )
@@ -177,15 +182,17 @@ def _supervise(workers, options):
             failure = (bad, bad.process.returncode)
             _stop(workers, options.grace_seconds)
             break
-        last = max([started] + [p[1] for p in (w.progress for w in workers) if p])
-        if time.time() - last > options.stall_timeout and not interrupted:
+        steps = [p[1] for p in (w.progress for w in workers) if p]
+        # Before the first step (start-up, compiling) the longer start-up limit applies.
+        limit, last = (options.stall_timeout, max(steps)) if steps else (options.startup_timeout, started)
+        if time.time() - last > limit and not interrupted:
             report = ", ".join(
                 f"worker {w.index} ({'stopped' if w.stopped else 'running'}, "
                 f"{p[0] if (p := w.progress) else 0} batches)"
                 for w in workers
             )
             print(
-                f"tfmp.launch: no worker finished a step for {options.stall_timeout:g} s: {report}; ended the job",
+                f"tfmp.launch: no worker finished a step for {limit:g} s: {report}; ended the job",
                 file=sys.stderr,
                 flush=True,
             )
