@@ -1,6 +1,7 @@
 """`tfmp.fit`: train any compiled Keras model under any tf.distribute strategy, correctly."""
 
 import contextlib
+import inspect
 import math
 import os
 import re
@@ -60,7 +61,10 @@ def fit(
         data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches at the
             GLOBAL batch size (x and y may be tuples or dicts), or a callable
             `input_context -> dataset` batched at the per-replica size (then
-            `steps_per_epoch` is required).
+            `steps_per_epoch` is required). A callable with a `skip` keyword gets the
+            global batches a resumed run skips, and skips them itself (cheaply, before
+            decoding), returning the whole remaining stream; otherwise tfmp applies
+            `Dataset.skip` to what it returns.
         epochs: epochs to train to (counting `initial_epoch`'s).
         initial_epoch: the epoch to start at (a resumed checkpoint overrides it).
         steps_per_epoch: batches per epoch; default: one pass over `data`. A finite
@@ -321,7 +325,13 @@ class _Input:
 
     def _distribute(self, skip, repeat):
         if self.fn is not None:
+            # A callable that takes `skip` (global batches) skips by itself, cheaply (before
+            # decoding); it then returns the whole remaining stream. Others get Dataset.skip.
+            takes_skip = "skip" in inspect.signature(self.fn).parameters
+
             def dataset_fn(context):
+                if takes_skip:
+                    return self.fn(context, skip=skip)
                 per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
                 ds = self.fn(context)
                 return (ds.repeat() if repeat else ds).skip(skip * per_pipeline)

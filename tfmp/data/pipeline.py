@@ -20,9 +20,11 @@ class Data:
     Attributes:
         source: the `sources.Source` description.
         global_batch: examples per step over all replicas.
-        make_train: `make_train(input_context=None)` returns the training dataset of one
-            input pipeline: its shard of the examples, shuffled, batched at its part of
-            the global batch. Without a context: the whole data at the global batch.
+        make_train: `make_train(input_context=None, skip=0)` returns the training
+            dataset of one input pipeline: its shard of the examples, shuffled, batched
+            at its part of the global batch, `skip` global batches in. Without a context:
+            the whole data at the global batch. In-memory data skips in O(1): it walks
+            a stream of example indices, one stateless permutation per epoch.
         test: (inputs, label) batches at the global batch size, in order, every example.
         vectorizer: for text, the adapted `TextVectorization` layer (keep it with the
             model to accept raw strings); None for images.
@@ -52,11 +54,10 @@ class Data:
                 exactly where the checkpoint left it.
         """
         if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
-            return self.train.skip(skip_steps)
+            return self.make_train(skip=skip_steps) if skip_steps else self.train
 
         def dataset_fn(context):
-            per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
-            return self.make_train(context).skip(skip_steps * per_pipeline)
+            return self.make_train(context, skip=skip_steps)
 
         return strategy.distribute_datasets_from_function(dataset_fn)
 
@@ -132,7 +133,41 @@ def build(
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF  # Sharded below.
     buffer = min(source.train_size or 10_000, 10_000)
 
-    def make_train(input_context=None):
+    def make_streamed(input_context=None, skip=0):
+        """In-memory data as a stream of example indices: epoch e is the permutation
+        stateless_shuffle(range(n), (seed, e)), so a resumed run jumps to its epoch and
+        skips integers within it: the cost does not grow with the step reached."""
+        nonlocal table
+        if table is None:  # Every example, prepared once: (inputs, labels) tensors.
+            examples = train.batch(2**31 - 1).get_single_element()
+            inputs = (
+                tf.cast(examples[feature], tf.float32) / 255.0
+                if source.kind == "image"
+                else vectorizer(examples[feature])
+            )
+            table = (inputs, examples["label"])
+        n, batch, shards, index = int(table[1].shape[0]), global_batch, 1, 0
+        if input_context is not None:
+            shards, index = input_context.num_input_pipelines, input_context.input_pipeline_id
+            batch = input_context.get_per_replica_batch_size(global_batch)
+        first_epoch, offset = divmod(skip * global_batch, n)
+
+        def epoch_order(epoch):
+            return tf.data.Dataset.from_tensor_slices(
+                tf.random.experimental.stateless_shuffle(
+                    tf.range(n, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
+                )
+            )
+
+        epochs = tf.data.Dataset.range(first_epoch, first_epoch + 2**40) if repeat else tf.data.Dataset.range(1)
+        ds = epochs.flat_map(epoch_order).skip(offset)
+        if shards > 1:  # Every worker walks the same order and keeps every n-th example.
+            ds = ds.shard(shards, index)
+        ds = ds.batch(batch, drop_remainder=drop_remainder)
+        ds = ds.map(lambda i: (tf.gather(table[0], i), tf.gather(table[1], i)), num_parallel_calls=AUTOTUNE)
+        return ds.prefetch(AUTOTUNE).with_options(options)
+
+    def make_decoded(input_context=None, skip=0):
         ds, batch, shards, index = train, global_batch, 1, 0
         if input_context is not None:
             shards, index = input_context.num_input_pipelines, input_context.input_pipeline_id
@@ -150,7 +185,13 @@ def build(
             ds = tf.data.Dataset.zip((ds, tf.data.Dataset.random(seed=seed).batch(2))).map(
                 lambda xy, s: (_augment(xy[0], s), xy[1]), num_parallel_calls=AUTOTUNE
             )
-        return ds.batch(batch, drop_remainder=drop_remainder).prefetch(AUTOTUNE).with_options(options)
+        ds = ds.batch(batch, drop_remainder=drop_remainder)
+        if skip:  # Decodes what it skips: the cost grows with the step (record-file datasets).
+            ds = ds.skip(skip * (input_context.num_replicas_in_sync // shards if input_context else 1))
+        return ds.prefetch(AUTOTUNE).with_options(options)
+
+    table = None
+    make_train = make_streamed if source.in_memory and source.train_size and not augment else make_decoded
 
     test = prepare(test).cache().batch(global_batch, drop_remainder=static_eval).prefetch(AUTOTUNE)
     test = test.with_options(options)
