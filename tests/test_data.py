@@ -114,3 +114,18 @@ def test_distribute_feeds_every_replica(mirrored):
     batch = next(iter(ds.distribute(mirrored)))
     per_replica = mirrored.experimental_local_results(batch[0])
     assert [tuple(x.shape) for x in per_replica] == [(8, 28, 28, 1), (8, 28, 28, 1)]
+
+
+def test_resume_position_is_exact_and_its_cost_does_not_grow_with_the_step():
+    """In-memory data: the batch at step k of a fresh stream is the first batch of a stream
+    resumed at k, across epoch boundaries; resuming at step 10^9 skips integers only (a
+    decoded skip of 10^9 batches would never finish under the test timeout)."""
+    ds = data.load("digits", 128, repeat=True, drop_remainder=True, seed=3)
+    stream = iter(ds.make_train())
+    batches = [next(stream) for _ in range(130)]  # 62.5 batches an epoch: two epoch boundaries.
+    for k in (0, 1, 61, 62, 63, 125, 129):
+        x, y = next(iter(ds.make_train(skip=k)))
+        np.testing.assert_array_equal(x.numpy(), batches[k][0].numpy())
+        np.testing.assert_array_equal(y.numpy(), batches[k][1].numpy())
+    x, _ = next(iter(ds.make_train(skip=10**9)))
+    assert x.shape == (128, 28, 28, 1)
