@@ -1,0 +1,138 @@
+"""What `tfmp.fit` reads: datasets and per-worker callables, as distributed streams."""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from tfmp import distribute
+from tfmp.errors import UsageError
+
+
+def batch_dim(element_spec):
+    """The static batch size of the data's elements, or None."""
+    first = tf.nest.flatten(element_spec)[0]
+    return first.shape[0] if first.shape.rank else None
+
+
+class Input:
+    """Training or validation input: how long an epoch is, and its distributed iterators.
+
+    A dataset of known length (or any input with `steps` given) is read as one stream
+    repeated without end, epoch after epoch, so that `position` (batches drawn) says
+    exactly where a resumed run continues. A dataset of unknown length is read afresh
+    each epoch until it runs out.
+    """
+
+    def __init__(self, data, strategy, steps, grad_accum_steps, name):
+        self.strategy, self.steps, self.name = strategy, steps, name
+        self.replicas = strategy.num_replicas_in_sync
+        self.fn = None if isinstance(data, tf.data.Dataset) else data
+        self.data = data if self.fn is None else None
+        self.period = steps  # Batches an epoch takes from the stream.
+        steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
+        if self.fn is not None:
+            if not callable(data):
+                raise UsageError(
+                    f"{name} must be a tf.data.Dataset or a callable input_context -> dataset, got "
+                    f"{type(data).__name__}; wrap arrays with tf.data.Dataset.from_tensor_slices((x, y)).batch(N)"
+                )
+            if not steps:
+                raise UsageError(f"{name} as a callable needs {steps_arg}")
+            probe = data(tf.distribute.InputContext(1, 0, 1))
+            if not isinstance(probe, tf.data.Dataset):
+                raise UsageError(f"{name}(input_context) must return a tf.data.Dataset, got {type(probe).__name__}")
+            self.element_spec = probe.element_spec
+        else:
+            self.element_spec = data.element_spec
+            cardinality = int(data.cardinality())
+            if cardinality == 0:
+                raise UsageError(f"{name} is empty")
+            if cardinality == tf.data.INFINITE_CARDINALITY and not steps:
+                raise UsageError(f"{name} repeats without end: give {steps_arg}")
+            if cardinality > 0 and not steps:
+                self.period = cardinality
+                self.steps = cardinality // grad_accum_steps * grad_accum_steps
+                if self.steps == 0:
+                    raise UsageError(
+                        f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}"
+                    )
+            batch = batch_dim(self.element_spec)
+            if batch is not None and batch % self.replicas:
+                lower, upper = batch // self.replicas * self.replicas, (batch // self.replicas + 1) * self.replicas
+                raise UsageError(
+                    f"{name}'s global batch size {batch} does not divide by the {self.replicas} replicas; use a "
+                    f"multiple of {self.replicas} such as {lower or upper} or {upper}"
+                )
+            if distribute.strategy_name(strategy) == "tpu" and batch is None:
+                raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
+        if self.period is None and distribute.num_workers(strategy) > 1:
+            raise UsageError(f"{name} has unknown length; several workers need steps_per_epoch to stay in step")
+
+    @property
+    def streamed(self):
+        return self.period is not None
+
+    def _distribute(self, skip, repeat):
+        if self.fn is not None:
+            # A callable that takes `skip` (global batches) skips by itself, cheaply (before
+            # decoding); it then returns the whole remaining stream. Others get Dataset.skip.
+            takes_skip = "skip" in inspect.signature(self.fn).parameters
+
+            def dataset_fn(context):
+                if takes_skip:
+                    return self.fn(context, skip=skip)
+                per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+                ds = self.fn(context)
+                return (ds.repeat() if repeat else ds).skip(skip * per_pipeline)
+
+            return self.strategy.distribute_datasets_from_function(dataset_fn)
+        ds = (self.data.repeat() if repeat else self.data).skip(skip)
+        if self.replicas > 1 or distribute.num_workers(self.strategy) > 1:
+            return self.strategy.experimental_distribute_dataset(ds)
+        return ds
+
+    def stream(self, position):
+        """An iterator over the repeated input, `position` batches in."""
+        return iter(self._distribute(position, repeat=True))
+
+    def epoch(self, offset):
+        """An iterator over one pass of the input, `offset` batches in."""
+        return iter(self._distribute(offset, repeat=False))
+
+    def once(self):
+        """The input for one evaluation."""
+        return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+def build_for(model, strategy, element_spec):
+    """Checks the data's structure against the model and builds the model, its compiled
+    losses and metrics (their variables must exist before the step is traced)."""
+    x, y, _ = keras.utils.unpack_x_y_sample_weight(element_spec)
+    inputs = getattr(model, "inputs", None) or []
+    if inputs:
+        given = tf.nest.flatten(x)
+        if isinstance(x, dict):
+            names = sorted(i.name for i in inputs)
+            if sorted(x) != names:
+                raise UsageError(f"the data's inputs are {sorted(x)} but the model takes {names}")
+        elif len(given) != len(inputs):
+            raise UsageError(
+                f"the model takes {len(inputs)} input(s) ({', '.join(i.name for i in inputs)}) but the data's "
+                f"elements hold {len(given)}: give (x, y) or (x, y, sample_weight) with x matching the inputs"
+            )
+        else:
+            for spec, layer_input in zip(given, inputs, strict=True):
+                if not tf.TensorShape(spec.shape[1:]).is_compatible_with(tf.TensorShape(layer_input.shape[1:])):
+                    raise UsageError(
+                        f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
+                        f"{tuple(spec.shape)}"
+                    )
+    if y is None and getattr(model, "_compile_loss", None) is not None:
+        raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
+    with strategy.scope():
+        try:
+            model._symbolic_build(data_batch=element_spec)  # noqa: SLF001 - what model.fit does first.
+        except (ValueError, TypeError) as e:
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise UsageError(f"the data does not fit the model or its compiled loss: {first}") from e
