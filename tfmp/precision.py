@@ -177,7 +177,10 @@ def keep_float32(names_or_regexes):
     Built on Keras' `DTypePolicyMap`: inside the block the global policy is a map from
     layer paths (names for top-level layers; full-match regular expressions) to float32,
     whose default is the current global policy. It takes exactly the names
-    `tfmp.diagnose(...).keep_float32` returns. Variables stay float32 either way.
+    `tfmp.diagnose(...).keep_float32` returns. Variables stay float32 either way. Keras
+    gives a layer its path when it builds; a layer with nothing to build (Activation,
+    Lambda, pooling) has none and keeps the global policy: create those with
+    `dtype="float32"` where they need it.
 
     Args:
         names_or_regexes: a layer name, a regular expression, or a list of them.
