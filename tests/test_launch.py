@@ -169,3 +169,44 @@ def test_without_the_launcher_a_worker_that_loses_a_peer_says_so_in_one_line(tmp
     assert processes[0].returncode == 76, err[-3000:]
     assert err.strip().splitlines() == [err.strip()], err[-3000:]
     assert "train.py: lost a peer: worker 1 stopped answering" in err and "is intact; rerun the job" in err
+
+
+def test_train_py_through_the_launcher(tmp_path):
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tfmp.launch",
+            "--workers=2",
+            "train.py",
+            "--dataset=synthetic",
+            "--epochs=1",
+            "--steps_per_epoch=3",
+            "--batch_size=16",
+            "--precision=float32",
+            f"--model_dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert "[worker 0] strategy    multi_worker (2 replicas)" in out and "[worker 0] test accuracy" in out
+    assert "[worker 1]" not in out  # The other workers' stdout is not repeated; their stderr would be.
+    assert (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_two_hosts_each_with_its_own_launcher(tmp_path, one_process):
+    """--hosts/--index, as on two machines: here two launchers on 127.0.0.1."""
+    hosts = ",".join(f"127.0.0.1:{p}" for p in launch.free_ports(2))
+    launchers = [
+        start(tmp_path / "w{worker}.npz", "-", 0, 0, 48, options=[f"--hosts={hosts}", f"--index={i}"]) for i in (0, 1)
+    ]
+    for launcher in launchers:
+        _, err = launcher.communicate(timeout=600)
+        assert launcher.returncode == 0, err[-3000:]
+    for i in range(2):
+        assert_same(load(tmp_path / f"w{i}.npz"), one_process)
