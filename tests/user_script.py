@@ -73,6 +73,8 @@ if __name__ == "__main__":
         tfmp.fit(
             model,
             data(batch),
+            # Unknown length (filter): fine for validation on several workers too.
+            validation_data=data(batch).take(2).filter(lambda x, y: True),
             epochs=3,
             grad_accum_steps=2,
             clipnorm=1.0,

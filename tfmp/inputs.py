@@ -24,7 +24,7 @@ class Input:
     each epoch until it runs out.
     """
 
-    def __init__(self, data, strategy, steps, grad_accum_steps, name):
+    def __init__(self, data, strategy, steps, grad_accum_steps, name, training=True):
         self.strategy, self.steps, self.name = strategy, steps, name
         self.replicas = strategy.num_replicas_in_sync
         self.fn = None if isinstance(data, tf.data.Dataset) else data
@@ -66,7 +66,9 @@ class Input:
                 )
             if distribute.strategy_name(strategy) == "tpu" and batch is None:
                 raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
-        if self.period is None and distribute.num_workers(strategy) > 1:
+        # Training epochs of unknown length would end at different steps on different
+        # workers; one evaluation pass is fine (the distributed iterator agrees on its end).
+        if training and self.period is None and distribute.num_workers(strategy) > 1:
             raise UsageError(f"{name} has unknown length; several workers need steps_per_epoch to stay in step")
 
     @property

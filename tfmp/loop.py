@@ -108,7 +108,7 @@ def fit(
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data")
     val_input = None
     if validation_data is not None:
-        val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data")
+        val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
     optimizer = steps.optimizer
     chief = distribute.is_chief(strategy)
@@ -175,7 +175,7 @@ def evaluate(model, data, *, steps=None, strategy=None):
     strategy = strategy or model.distribute_strategy
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    source = inputs.Input(data, strategy, steps, 1, "data")
+    source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     return prepare(model, strategy, source.element_spec).evaluate(source.once(), steps)
 
 
