@@ -12,6 +12,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp.errors import TrainingError
+from tfmp.steps import STEP_STATE
 
 
 class Throughput(keras.callbacks.Callback):
@@ -103,7 +104,7 @@ def first_non_finite(variables):
 
 
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")
-_NOT_METRICS = {"step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale", "steps", "updates"}
+_NOT_METRICS = {*STEP_STATE, "steps", "updates"}  # tfmp.fit's step state and call sizes.
 
 
 class Monitor(keras.callbacks.Callback):

@@ -15,12 +15,10 @@ import tensorflow as tf
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import checkpoint, distribute, doctor, inputs, loss_scale
 from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError
-from tfmp.steps import Steps
+from tfmp.steps import STEP_STATE, Steps
 
 VERBOSE = ("auto", 0, 1, 2)
 PROGRESS_ENV = "TFMP_PROGRESS_FILE"  # Where tfmp.launch asks each worker to say how far it got.
-# What a compiled step returns besides the model's metric results.
-STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
 def fit(

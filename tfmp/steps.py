@@ -16,6 +16,9 @@ import tensorflow as tf
 from tfmp import distribute
 from tfmp.loss_scale import LossScaleOptimizer
 
+# What `Steps.train` returns besides the model's metric results.
+STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
+
 
 def _as_given(grads_and_vars):
     return grads_and_vars
