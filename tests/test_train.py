@@ -55,7 +55,7 @@ def test_train_binary_smoke(tmp_path):
 def test_model_dir_that_is_a_file(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(UsageError, match="cannot be written"):
+    with pytest.raises(UsageError, match="is inside a file"):
         training.train_and_evaluate(training.Config(model_dir=str(blocker / "run"), epochs=1))
 
 

@@ -1,6 +1,5 @@
 """Periodic, atomic checkpoints of everything a resumed run needs, and their restore."""
 
-import contextlib
 import json
 import os
 import tempfile
@@ -215,24 +214,21 @@ def save_settings(run_dir, settings):
 
 
 def check_writable(path, flag):
-    """Raises UsageError unless a file can be written in directory `path`.
+    """Raises UsageError unless files can be written in directory `path`.
 
-    Really tries (permissions alone do not tell, e.g. for root or read-only mounts), and
-    removes whatever directories the try created: a failed run leaves nothing behind.
+    Really tries (permissions alone do not tell, e.g. for root or read-only mounts): a
+    temporary file in `path`, or, if `path` does not exist yet, in its nearest existing
+    parent. It creates no directory: nothing is left behind, and several workers checking
+    one shared path at once cannot remove a directory another has just made.
     """
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"{flag}={path} is a file, not a directory")
-    missing, probe = [], os.path.abspath(path)
+    probe = os.path.abspath(path)
     while not os.path.exists(probe):
-        missing.append(probe)  # Deepest first.
         probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == os.path.abspath(path) else f"is inside a file ({probe})"
+        raise UsageError(f"{flag}={path} {where}, not a directory")
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
         raise UsageError(f"{flag}={path} cannot be written ({e.strerror or e})") from e
-    finally:
-        for directory in missing:
-            with contextlib.suppress(OSError):
-                os.rmdir(directory)
