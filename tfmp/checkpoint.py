@@ -7,7 +7,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfmp.errors import TrainingError, UsageError
+from tfmp.errors import TrainingError, UsageError, first_line
 
 
 class Checkpointer:
@@ -53,7 +53,7 @@ class Checkpointer:
         try:
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             state = tf.train.get_checkpoint_state(self.restore_from)
             older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
             raise UsageError(
@@ -79,7 +79,7 @@ class Checkpointer:
             return self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:
             latest = self.manager.latest_checkpoint or "none yet"
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             raise TrainingError(
                 f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
             ) from e

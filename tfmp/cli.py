@@ -9,7 +9,7 @@ import sys
 
 from absl import flags, logging
 
-from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError
+from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 
 
 def wants_logs(argv):
@@ -64,7 +64,7 @@ def flags_parser(prog):
         try:
             rest = flags.FLAGS(argv)
         except flags.Error as e:
-            error(prog, str(e).splitlines()[0] if str(e).strip() else type(e).__name__)
+            error(prog, first_line(e, limit=1000))
         if len(rest) > 1:
             error(prog, f"unexpected argument(s) {' '.join(rest[1:])}: flags take the form --name=value (see --help)")
         if not flags.FLAGS["verbosity"].present:

@@ -9,7 +9,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, first_line
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
 LR_SCALING = ("none", "linear", "sqrt")
@@ -54,7 +54,7 @@ def _tpu_strategy(tpu):
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - a wrong name or address fails in many ways (URLError, ...).
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise UsageError(
             f"--strategy=tpu: no TPU found at tpu={address!r} ({first}); on a Colab or Cloud "
             "TPU VM use --tpu=local, else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"

@@ -28,7 +28,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp.errors import UsageError  # noqa: E402
+from tfmp.errors import UsageError, first_line  # noqa: E402
 
 FLOAT16_MAX = 65504.0
 FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
@@ -58,7 +58,7 @@ def _copy(model, dtype):
     except Exception as e:  # noqa: BLE001 - subclassed models and layers without get_config fail in many ways.
         raise UsageError(
             f"diagnose needs a functional or Sequential model whose layers have get_config ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:160] if str(e) else ''})"
+            f"{first_line(e, 160, default='')})"
         ) from e
     return copy
 

@@ -1,6 +1,15 @@
 """Exception types that end a run with one line instead of a traceback."""
 
 
+def first_line(error, limit=200, default=None):
+    """The first line of `error`'s message, cut to `limit` characters, for one-line reports;
+    `default` (the exception's type name unless given) when the message is empty."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__ if default is None else default
+    return text.splitlines()[0][:limit]
+
+
 class UsageError(ValueError):
     """A bad setting from the user: the message names the value, the choices and the fix.
 

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfmp import distribute
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, first_line
 
 
 def batch_dim(element_spec):
@@ -136,5 +136,5 @@ def build_for(model, strategy, element_spec):
         try:
             model._symbolic_build(data_batch=element_spec)  # noqa: SLF001 - what model.fit does first.
         except (ValueError, TypeError) as e:
-            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            first = first_line(e, 300)
             raise UsageError(f"the data does not fit the model or its compiled loss: {first}") from e

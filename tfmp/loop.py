@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import checkpoint, distribute, doctor, inputs, loss_scale
-from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError
+from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 from tfmp.steps import STEP_STATE, Steps
 
 VERBOSE = ("auto", 0, 1, 2)
@@ -375,7 +375,7 @@ class _Run:
             scale = loss_scale.loss_scale_of(self.steps.optimizer)
             return doctor.localize_non_finite(self.model, next(iter(ds)), scale)
         except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the error it explains.
-            return f"not possible ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+            return f"not possible ({type(e).__name__}: {first_line(e, 120, default='')})"
 
     def _logs(self, out):
         """What callbacks see after a call: the model's metrics (running means over the

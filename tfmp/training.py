@@ -27,7 +27,7 @@ from tfmp import (
     seed,
 )
 from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
-from tfmp.errors import TrainingError, UsageError
+from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 
 
@@ -236,7 +236,7 @@ def _train_and_evaluate(config, out, cleanup):
         rate = throughput.examples_per_second
         test = loop.evaluate(model, ds.test, strategy=strategy)
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
-        first = str(e).strip().splitlines()[0][:200]
+        first = first_line(e)
         raise TrainingError(
             f"the input data of {dataset!r} is corrupt ({first}); prepare it again. The checkpoints are intact"
         ) from e

@@ -13,7 +13,7 @@ import pathlib
 import numpy as np
 import tensorflow as tf
 
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, first_line
 
 SAMPLES_DIR = pathlib.Path(__file__).parent / "samples"
 SHIPPED = {
@@ -161,7 +161,7 @@ def _verify_records(builder, name):
     try:
         count = sum(int(n) for n in tf.data.TFRecordDataset(files).batch(4096).map(lambda b: tf.shape(b)[0]))
     except (tf.errors.DataLossError, tf.errors.OpError) as e:
-        first = str(e).strip().splitlines()[0][:160]
+        first = first_line(e, 160)
         raise UsageError(
             f"dataset {name!r} has a corrupt record file in {builder.data_dir} ({first}); prepare it again"
         ) from e
