@@ -130,7 +130,8 @@ def test_parity_within_and_beyond_noise():
         doctor.parity(lambda policy, seed: 1.0, seeds=1)
 
 
-def test_doctor_command_and_train_diagnose(tmp_path):
+def _command(*args):
+    """Runs `python ARGS...` from the repository root; returns the completed process."""
     import os
     import subprocess
     import sys
@@ -138,57 +139,38 @@ def test_doctor_command_and_train_diagnose(tmp_path):
     from conftest import REPO
 
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    report = subprocess.run(
-        [sys.executable, "-m", "tfmp.doctor", "--model=cnn", "--steps=2", f"--output_dir={tmp_path / 'doc'}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_doctor_command_and_train_diagnose(tmp_path):
+    report = _command("-m", "tfmp.doctor", "--model=cnn", "--steps=2", f"--output_dir={tmp_path / 'doc'}")
     assert report.returncode == 0, report.stderr[-2000:]
     assert "keep in float32:" in report.stdout and "recommended initial loss scale" in report.stdout
     assert json.loads((tmp_path / "doc" / "diagnosis.json").read_text())["layers"]
-    parity = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfmp.doctor",
-            "--parity",
-            "--model=cnn",
-            "--dataset=synthetic",
-            "--seeds=2",
-            "--epochs=1",
-            "--steps_per_epoch=2",
-            "--batch_size=16",
-            "--policy=mixed_bfloat16",
-            f"--output_dir={tmp_path / 'parity'}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    parity = _command(
+        "-m",
+        "tfmp.doctor",
+        "--parity",
+        "--model=cnn",
+        "--dataset=synthetic",
+        "--seeds=2",
+        "--epochs=1",
+        "--steps_per_epoch=2",
+        "--batch_size=16",
+        "--policy=mixed_bfloat16",
+        f"--output_dir={tmp_path / 'parity'}",
     )
     assert parity.returncode == 0, parity.stderr[-2000:]
     result = json.loads((tmp_path / "parity" / "parity.json").read_text())
     assert len(result["float32"]["accuracies"]) == 2 and "within_noise" in result
     assert "seed-to-seed noise" in parity.stdout
-    diagnose = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--diagnose",
-            "--dataset=synthetic",
-            "--precision=mixed_float16",
-            "--keep_float32=conv0.*",
-            f"--model_dir={tmp_path / 'run'}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    diagnose = _command(
+        "train.py",
+        "--diagnose",
+        "--dataset=synthetic",
+        "--precision=mixed_float16",
+        "--keep_float32=conv0.*",
+        f"--model_dir={tmp_path / 'run'}",
     )
     assert diagnose.returncode == 0, diagnose.stderr[-2000:]
     layers = json.loads((tmp_path / "run" / "doctor" / "diagnosis.json").read_text())["layers"]
