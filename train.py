@@ -76,6 +76,13 @@ flags.DEFINE_bool(
     "histogram to MODEL_DIR/doctor.",
 )
 flags.DEFINE_enum(
+    "jit_compile",
+    "auto",
+    ["auto", "true", "false"],
+    "XLA for each replica's forward and backward passes, under any strategy. auto: measure both ways before "
+    "training and keep XLA only where it is clearly faster; a model XLA cannot compile trains without it.",
+)
+flags.DEFINE_enum(
     "resume",
     "auto",
     ["auto", "force"],

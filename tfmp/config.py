@@ -46,6 +46,7 @@ class Config:
     checkpoint_every: int = 200  # Steps between checkpoints; 0 turns checkpointing off.
     log_every: int = 10  # Steps between TensorBoard writes.
     export_dir: str | None = None
+    jit_compile: str = "auto"  # XLA: auto (measured), true or false.
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
     diagnose: bool = False  # Run the numerics doctor on the model and data instead of training.
@@ -54,6 +55,7 @@ class Config:
 
 
 RESUME = ("auto", "force")
+JIT_COMPILE = {"auto": "auto", "true": True, "false": False}
 
 
 def _positive_finite(name, value):
@@ -73,6 +75,8 @@ def validate(config):
         raise UsageError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
     if config.lr_scaling not in distribute.LR_SCALING:
         raise UsageError(f"unknown lr scaling {config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
+    if config.jit_compile not in JIT_COMPILE:
+        raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of auto, true, false")
     if config.resume not in RESUME:
         raise UsageError(f"unknown --resume={config.resume!r}; choose one of {', '.join(RESUME)}")
     for name in ("epochs", "batch_size", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):

@@ -1,7 +1,7 @@
 """`python -m tfmp.doctor` for the bundled models (see `tfmp.doctor` for the library).
 
-    python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer float16 report
-    python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
+python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer float16 report
+python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
 """
 
 import os

@@ -11,8 +11,8 @@ import numpy as np
 from tfmp import distribute
 
 
-def summary(config, decision, strategy, plan, source, model, steps, start_step=0):
-    """The one-screen summary printed before training."""
+def summary(config, decision, strategy, plan, source, model, steps, start_step=0, xla=(False, "off")):
+    """The one-screen summary printed before training; `xla` is (XLA on?, why)."""
     lines = [
         "=" * 72,
         f"model       {config.model} ({model.count_params():,} parameters)",
@@ -22,6 +22,7 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
         *decision.reason.splitlines()[1:],  # The trial table of autotune, if any.
         f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
         f"{config.epochs} epochs x {steps} updates",
+        f"XLA         {'on' if xla[0] else 'off'} ({xla[1]})",
         "batch",
         plan.table(),
         "=" * 72,

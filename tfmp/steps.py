@@ -12,11 +12,14 @@ import contextlib
 
 import keras
 import tensorflow as tf
+from absl import logging
 
-from tfmp import distribute
+from tfmp import distribute, gradients
+from tfmp.errors import first_line
 from tfmp.loss_scale import LossScaleOptimizer
 
 # What `Steps.train` returns besides the model's metric results.
+_FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
@@ -50,6 +53,16 @@ def _batch_size(x):
     return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
 
 
+def is_xla_error(error):
+    """Whether a TensorFlow error says XLA could not compile a function."""
+    text = str(error)
+    return "XLA" in text or "unsupported operations when trying to compile" in text
+
+
+def _call(model, x, training):
+    return model(x, training=training) if model._call_has_training_arg else model(x)  # noqa: SLF001
+
+
 class Steps:
     """Compiled train and test steps for one compiled model under one strategy.
 
@@ -59,9 +72,24 @@ class Steps:
         grad_accum_steps: batches whose gradients are summed into one update.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
         steps_per_execution: updates per call of `train` when the epoch has room for them.
+        jit_compile: run each replica's forward and backward passes (and evaluation's
+            forward pass) as one XLA computation. The all-reduce, clipping and the
+            optimizer's update stay outside it, where every strategy supports them.
+        sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
+            accumulation, all-reduce, the overflow check and clipping (not on TPUs,
+            whose all-reduce takes dense tensors); False densifies them first.
     """
 
-    def __init__(self, model, strategy, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
+    def __init__(
+        self,
+        model,
+        strategy,
+        grad_accum_steps=1,
+        clipnorm=None,
+        steps_per_execution=1,
+        jit_compile=False,
+        sparse=True,
+    ):
         self.model = model
         self.optimizer = model.optimizer
         self.strategy = strategy
@@ -74,9 +102,37 @@ class Steps:
         if not self.optimizer.built:  # Its slots must exist before a step traces a cond around them.
             with strategy.scope():
                 self.optimizer.build(self.variables)
+        self.sparse = sparse and distribute.strategy_name(strategy) != "tpu"
+        self._ran = False
+        self.compile(jit_compile)
+
+    def compile(self, jit_compile):
+        """(Re)creates the compiled steps, with each replica's math under XLA or not."""
+        self.jit_compile = bool(jit_compile)
+        jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
+        self.gradients = jit(self._replica_gradients)
+        self._forward = jit(self._replica_forward)
         self._one = tf.function(self._single)
         self._many = tf.function(self._updates)
         self._test = tf.function(self._test_step, reduce_retracing=True)
+
+    def _fall_back(self, error):
+        logging.warning("XLA cannot compile this model (%s); training without XLA", first_line(error)[:300])
+        self.compile(False)
+
+    def _first_call(self, fn, *args):
+        """Calls a compiled step; the first call under XLA falls back to no XLA if it fails to compile."""
+        if self._ran or not self.jit_compile:
+            return fn(*args)
+        try:
+            out = fn(*args)
+        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError) as e:
+            if not is_xla_error(e):
+                raise
+            self._fall_back(e)
+            return _FAILED
+        self._ran = True
+        return out
 
     # ---- training ----
 
@@ -90,37 +146,56 @@ class Steps:
             (`loss`, ...: running means over the epoch).
         """
         with reduced_gradients(self.optimizer):
-            out = (self._many if updates > 1 else self._one)(iterator)
+            fn = self._many if updates > 1 else self._one
+            out = self._first_call(fn, iterator)
+            if out is _FAILED:  # XLA failed to compile: the same update without it.
+                out = (self._many if updates > 1 else self._one)(iterator)
         return {k: v.numpy() for k, v in out.items()}
 
-    def _replica_update(self, batches):
-        model, optimizer, n = self.model, self.optimizer, len(batches)
-        grads, loss_sum = None, 0.0
+    def _replica_gradients(self, batches):
+        """Forward and backward passes over this replica's `batches`, gradients summed.
+
+        Returns:
+            (gradients per trainable variable (None where it gets none; embeddings'
+            IndexedSlices stay sparse), each batch's loss, each batch's predictions).
+        """
+        model, n = self.model, len(batches)
+        grads, losses, preds = None, [], []
         for batch in batches:  # Unrolled: n is small.
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             with tf.GradientTape() as tape:
-                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)  # noqa: SLF001
+                y_pred = _call(model, x, training=True)
                 # A mean over the global batch (Keras divides each replica's mean by the
                 # replica count), plus regularization counted once after the sum.
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)  # noqa: SLF001
-                scaled = optimizer.scale_loss(loss / n if n > 1 else loss)
+                scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = tape.gradient(scaled, self.variables)
-            grads = new if grads is None else [a if a is None else a + b for a, b in zip(grads, new, strict=True)]
+            grads = new if grads is None else [gradients.add(a, b) for a, b in zip(grads, new, strict=True)]
+            losses.append(loss)
+            preds.append(y_pred)
+        return grads, losses, preds
+
+    def _replica_update(self, batches):
+        optimizer = self.optimizer
+        grads, losses, preds = self.gradients(batches)
+        for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             self._track_loss(loss, x, skip_non_finite=True)
-            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-            loss_sum += loss
+            self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
-        # Dense before the all-reduce: an embedding's IndexedSlices become a dense tensor.
-        reduced = [tf.convert_to_tensor(grads[i]) for i in self.applied]
-        if self.strategy.num_replicas_in_sync > 1:
+        reduced = [grads[i] if self.sparse else tf.convert_to_tensor(grads[i]) for i in self.applied]
+        if self.strategy.num_replicas_in_sync > 1:  # IndexedSlices are all-gathered, not densified.
             reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, reduced)
+        # One row per index, so that the norm is that of the dense gradient.
+        reduced = [gradients.deduplicate(g) for g in reduced]
+        finite = tf.stack([gradients.all_finite(g) for g in reduced])
         scale = tf.cast(optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = tf.linalg.global_norm([tf.cast(g, tf.float32) for g in reduced]) / scale
+        grad_norm = gradients.global_norm(reduced) / scale
         if self.clipnorm:
-            reduced, _ = tf.clip_by_global_norm(reduced, self.clipnorm * scale, use_norm=grad_norm * scale)
-        finite = tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in reduced])
+            factor = self.clipnorm / tf.maximum(grad_norm, self.clipnorm)
+            reduced = [gradients.scale(g, factor) for g in reduced]
         optimizer.apply(reduced, [self.variables[i] for i in self.applied])
-        return loss_sum / n, grad_norm, finite
+        return tf.add_n(losses) / len(losses), grad_norm, finite
 
     def _update(self, iterator):
         batches = tuple(next(iterator) for _ in range(self.grad_accum_steps))
@@ -176,13 +251,16 @@ class Steps:
             value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
         tracker.update_state(value, sample_weight=count)
 
+    def _replica_forward(self, x, y, sample_weight):
+        y_pred = _call(self.model, x, training=False)
+        loss = self.model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)  # noqa: SLF001
+        return y_pred, loss
+
     def _replica_test(self, batch):
-        model = self.model
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        y_pred = model(x, training=False) if model._call_has_training_arg else model(x)  # noqa: SLF001
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)  # noqa: SLF001
+        y_pred, loss = self._forward(x, y, sample_weight)
         self._track_loss(loss, x)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _test_step(self, batch):
         self.strategy.run(self._replica_test, args=(batch,))
@@ -201,7 +279,8 @@ class Steps:
                 break
             if callbacks is not None:
                 callbacks.on_test_batch_begin(i)
-            self._test(batch)
+            if self._first_call(self._test, batch) is _FAILED:
+                self._test(batch)  # XLA failed to compile: the same batch without it.
             if callbacks is not None:
                 callbacks.on_test_batch_end(i, None)
         return self.results()

@@ -20,13 +20,15 @@ from tfmp import (
     distribute,
     doctor,
     export,
+    inputs,
     loop,
     loss_scale,
     precision,
     report,
     seed,
+    xla,
 )
-from tfmp.config import DEFAULT_DATASETS, Config, validate  # noqa: F401 - re-exported.
+from tfmp.config import DEFAULT_DATASETS, JIT_COMPILE, Config, validate  # noqa: F401 - re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 
@@ -208,7 +210,18 @@ def _train_and_evaluate(config, out, cleanup):
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    print(report.summary(config, decision, strategy, plan, ds.source, model, steps, start), file=out, flush=True)
+    train_input = inputs.Input(ds.make_train, strategy, steps * plan.grad_accum_steps, plan.grad_accum_steps, "data")
+    compiled = loop.prepare(
+        model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
+    )
+    jit_compile, jit_reason = xla.resolve(
+        compiled, train_input.element_spec, JIT_COMPILE[config.jit_compile], per_replica=True
+    )
+    print(
+        report.summary(config, decision, strategy, plan, ds.source, model, steps, start, (jit_compile, jit_reason)),
+        file=out,
+        flush=True,
+    )
 
     # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
@@ -230,11 +243,12 @@ def _train_and_evaluate(config, out, cleanup):
             checkpoint_every=config.checkpoint_every,
             log_dir=model_dir,
             log_every=config.log_every,
+            jit_compile=jit_compile,
             verbose=verbose,
         )
         train_seconds = time.perf_counter() - begin
         rate = throughput.examples_per_second
-        test = loop.evaluate(model, ds.test, strategy=strategy)
+        test = loop.evaluate(model, ds.test, strategy=strategy, jit_compile=jit_compile)
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
         first = first_line(e)
         raise TrainingError(
@@ -252,6 +266,8 @@ def _train_and_evaluate(config, out, cleanup):
         "test_loss": test_loss,
         "policy": decision.policy,
         "policy_reason": decision.reason,
+        "jit_compile": jit_compile,
+        "jit_compile_reason": jit_reason,
         "strategy": distribute.strategy_name(strategy),
         "replicas": strategy.num_replicas_in_sync,
         "workers": plan.workers,

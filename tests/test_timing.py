@@ -1,0 +1,87 @@
+"""The decision rule behind auto/autotune and jit_compile="auto", on injected timings."""
+
+import itertools
+
+import pytest
+
+from tfmp import timing
+
+
+def test_clear_gain_is_taken():
+    rates = {"float32": [100, 98, 103, 101, 99], "bf16": [150, 149, 152, 147, 151]}
+    verdict = timing.decide(rates, "float32")
+    assert verdict.choice == "bf16"
+    assert verdict.ratios["bf16"] == pytest.approx(1.5, rel=0.02)
+    assert "bf16: 1.50x float32" in verdict.reason
+
+
+def test_gain_within_noise_keeps_baseline():
+    # bf16 is 4% faster on the median, but rounds swing by +-15%: not beyond the noise.
+    rates = {"float32": [100, 100, 100, 100, 100], "bf16": [125, 90, 104, 118, 88]}
+    verdict = timing.decide(rates, "float32")
+    assert verdict.choice == "float32"
+    assert "within the noise" in verdict.reason
+
+
+def test_same_gain_with_little_noise_is_taken():
+    rates = {"float32": [100, 100, 100, 100, 100], "bf16": [104.5, 104, 105, 103.5, 104]}
+    assert timing.decide(rates, "float32").choice == "bf16"
+
+
+def test_gain_below_minimum_keeps_baseline():
+    rates = {"float32": [100] * 6, "bf16": [101.5] * 6}
+    verdict = timing.decide(rates, "float32")
+    assert verdict.choice == "float32"
+
+
+def test_slower_candidate_is_named_slower():
+    verdict = timing.decide({"float32": [100] * 4, "bf16": [80] * 4}, "float32")
+    assert verdict.choice == "float32"
+    assert "slower" in verdict.reason and "0.80x" in verdict.reason
+
+
+def test_one_lucky_round_does_not_win():
+    # A huge gain in one round of five (a slow spell during float32's turn) is not a win.
+    rates = {"float32": [100, 100, 60, 100, 100], "bf16": [99, 100, 150, 98, 101]}
+    assert timing.decide(rates, "float32").choice == "float32"
+
+
+def test_fastest_of_several_clear_winners():
+    rates = {"float32": [100] * 5, "bf16": [130, 131, 129, 130, 130], "f16": [160, 158, 161, 159, 160]}
+    assert timing.decide(rates, "float32").choice == "f16"
+
+
+def test_failed_or_cut_off_candidate_never_wins():
+    rates = {"float32": [100] * 5, "f16": [500, 0.0, 500, 500, 500]}
+    verdict = timing.decide(rates, "float32")
+    assert verdict.choice == "float32"
+    assert "failed or cut off" in verdict.reason
+
+
+def test_too_few_rounds_keep_baseline():
+    assert timing.decide({"float32": [100, 100], "bf16": [200, 200]}, "float32").choice == "float32"
+
+
+def test_alternate_takes_turns_and_keeps_to_the_budget():
+    clock = itertools.count(0.0, 1.0)  # Each call of the clock is one second later.
+    order = []
+
+    def runner(name):
+        def run():
+            order.append(name)
+            next(clock)  # A turn takes one second.
+            return 1.0
+
+        return run
+
+    rates = timing.alternate({"a": runner("a"), "b": runner("b")}, 10.0, lambda: next(clock))
+    assert order[:4] == ["a", "b", "a", "b"]
+    assert len(rates["a"]) == len(rates["b"]) >= timing.MIN_ROUNDS
+    # Rounds take about 3 ticks of the clock; the last one must not overrun the budget by much.
+    assert len(rates["a"]) <= 4
+
+
+def test_alternate_stops_after_one_round_that_overruns():
+    ticks = iter([0.0, 100.0, 200.0])
+    rates = timing.alternate({"a": lambda: 1.0}, 10.0, lambda: next(ticks))
+    assert rates == {"a": [1.0]}

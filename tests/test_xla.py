@@ -1,0 +1,191 @@
+"""jit_compile: XLA in tfmp's steps under strategies, its fallback, "auto", and sparse
+embedding gradients equal to dense ones."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny
+
+import tfmp
+from tfmp import loop, steps, xla
+from tfmp.errors import UsageError
+
+
+class HostIdentity(keras.layers.Layer):
+    """Passes its input through a host (numpy) call, which XLA cannot compile."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: a, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def host_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), HostIdentity(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def regression_data(batch=32):
+    rng = np.random.default_rng(1)
+    x = rng.random((256, 8), dtype=np.float32)
+    return tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True))).batch(batch, drop_remainder=True)
+
+
+def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
+    model = host_model()
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=2, jit_compile=True, verbose=0)
+        tfmp.evaluate(model, regression_data(), jit_compile=True)
+    assert history.params["jit_compile"] is False
+    warnings = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
+    assert len(warnings) == 1 and "PyFunc" in warnings[0] and "without XLA" in warnings[0]
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
+    """Where the up-front check misses a failure, the first step falls back instead of crashing."""
+    monkeypatch.setattr(xla, "probe", lambda *_: None)
+    monkeypatch.setattr(xla, "_PROBES", {})
+    model = host_model()
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+    assert any("without XLA" in r.getMessage() for r in caplog.records)
+    assert np.isfinite(history.history["loss"][0])
+    assert int(model.optimizer.iterations.numpy()) >= 7  # The failed first step's batch alone is lost.
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirrored, replicas):
+    keras.config.set_dtype_policy("mixed_float16")
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    init = [w.numpy() for w in tiny.build(strategy)[0].weights]
+    results = {}
+    for jit in (False, True):
+        keras.utils.set_random_seed(0)
+        model, optimizer = tiny.build(strategy)
+        model.set_weights(init)
+        history = tfmp.fit(
+            model,
+            tiny.dataset(32).make_train,
+            steps_per_epoch=8,
+            strategy=strategy,
+            grad_accum_steps=2,
+            clipnorm=0.5,
+            jit_compile=jit,
+            verbose=0,
+        )
+        assert history.params["jit_compile"] is jit
+        assert isinstance(optimizer, tfmp.LossScaleOptimizer)
+        results[jit] = [w.numpy().astype(np.float32) for w in model.weights], int(optimizer.iterations.numpy())
+    (no_xla, steps_a), (with_xla, steps_b) = results[False], results[True]
+    assert steps_a == steps_b == 4
+    for a, b in zip(no_xla, with_xla, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-3)  # float16 compute, fused differently by XLA.
+
+
+def test_auto_follows_the_measurement(monkeypatch):
+    verdicts = iter(
+        [
+            {xla.OFF: [100.0] * 4, xla.ON: [140.0, 139.0, 141.0, 140.0]},
+            {xla.OFF: [100.0] * 4, xla.ON: [97.0, 99.0, 96.0, 98.0]},
+        ]
+    )
+    monkeypatch.setattr(xla, "measure", lambda *_: next(verdicts))
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    data = regression_data()
+    faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    slower = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
+    assert faster.params["jit_compile"] is True and slower.params["jit_compile"] is False
+
+
+def tiny_regression():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def test_measuring_leaves_the_model_as_it_was():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(8),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dropout(0.5),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+    compiled = loop.prepare(model, tf.distribute.get_strategy(), regression_data().element_spec)
+    before = [v.numpy().copy() for v in model.variables]
+    batches = (xla.replica_batch(regression_data().element_spec, 1),)
+    rates = xla.measure(compiled, batches, budget_seconds=1.0)
+    assert len(rates[xla.ON]) == len(rates[xla.OFF]) >= 3 and min(rates[xla.ON] + rates[xla.OFF]) > 0
+    for a, b in zip(before, model.variables, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_bad_jit_compile_is_a_usage_error():
+    with pytest.raises(UsageError, match="jit_compile"):
+        tfmp.fit(tiny_regression(), regression_data(), jit_compile="yes", verbose=0)
+
+
+# ---- sparse gradients ----
+
+
+def embedding_model(strategy, vocab=300):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        tokens = keras.Input((6,), dtype="int32")
+        hidden = keras.layers.Embedding(vocab, 8)(tokens)
+        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+        out = keras.layers.Dense(3, activation="softmax", dtype="float32")(hidden)
+        model = keras.Model(tokens, out)
+        model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "sparse_categorical_crossentropy")
+    return model
+
+
+def token_data(batch=16, vocab=300):
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 20, (128, 6)).astype(np.int32)  # Few distinct ids: many duplicate rows.
+    x[:, 0] = rng.integers(0, vocab, 128)
+    y = (x[:, 0] % 3).astype(np.int64)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
+
+
+def test_embedding_gradient_leaves_the_replica_sparse():
+    model = embedding_model(tf.distribute.get_strategy())
+    compiled = loop.prepare(model, tf.distribute.get_strategy(), token_data().element_spec, grad_accum_steps=2)
+    batch = next(iter(token_data()))
+    grads, _, _ = compiled.gradients((batch, batch))
+    assert isinstance(grads[0], tf.IndexedSlices)
+    assert grads[0].values.shape[0] == 2 * 16 * 6  # Two batches' rows, concatenated, not summed densely.
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy):
+    keras.config.set_dtype_policy(policy)
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    data = token_data()
+    if replicas == 2:
+        data = strategy.experimental_distribute_dataset(data)
+    results = {}
+    for sparse in (True, False):
+        model = embedding_model(strategy)
+        compiled = steps.Steps(model, strategy, grad_accum_steps=2, clipnorm=0.05, sparse=sparse)
+        iterator = iter(data)
+        for _ in range(3):
+            out = compiled.train(iterator)
+        results[sparse] = [w.numpy() for w in model.weights], out["grad_norm"]
+    (sparse_w, sparse_norm), (dense_w, dense_norm) = results[True], results[False]
+    np.testing.assert_allclose(sparse_norm, dense_norm, rtol=1e-5)
+    for a, b in zip(sparse_w, dense_w, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

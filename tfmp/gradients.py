@@ -1,0 +1,47 @@
+"""Gradient arithmetic that keeps an embedding's `tf.IndexedSlices` sparse.
+
+An embedding lookup's gradient touches only the rows looked up; tfmp sums, all-reduces,
+checks and clips it in that form instead of as a dense (vocabulary x width) tensor.
+"""
+
+import tensorflow as tf
+
+
+def add(a, b):
+    """a + b; two IndexedSlices are concatenated (their rows are summed when deduplicated)."""
+    if a is None:
+        return None
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape)
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def deduplicate(g):
+    """IndexedSlices with each row once (duplicates summed); other gradients as they are."""
+    if not isinstance(g, tf.IndexedSlices):
+        return g
+    unique, position = tf.unique(g.indices)
+    values = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, g.dense_shape)
+
+
+def values(g):
+    """The numbers a gradient holds: an IndexedSlices' rows, or the tensor itself."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def global_norm(grads):
+    """The global L2 norm, in float32, of gradients whose IndexedSlices are deduplicated."""
+    return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(values(g), tf.float32))) for g in grads]))
+
+
+def scale(g, factor):
+    """g * factor, sparse stays sparse."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def all_finite(g):
+    """Whether every number in `g` is finite."""
+    return tf.reduce_all(tf.math.is_finite(values(g)))

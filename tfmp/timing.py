@@ -1,0 +1,100 @@
+"""Choosing between ways to run the same step from timings that a shared machine makes noisy.
+
+The candidates take turns (round 1: A, B, C; round 2: A, B, C; ...), so a slow spell of
+the machine falls on all of them. Each round gives every candidate's throughput as a
+ratio to the baseline's in the same round; a candidate replaces the baseline only when
+its median ratio is above 1 by more than the measured noise of those ratios (and by at
+least `min_gain`), and it won most rounds. Otherwise the baseline stays: a choice that
+is not clearly faster is not worth its risk (numerics, compile time).
+"""
+
+import dataclasses
+import math
+import statistics
+
+MIN_ROUNDS = 3
+MIN_GAIN = 0.02  # A candidate must be at least 2% faster than the baseline.
+Z = 2.0  # Standard errors the median log-ratio must clear.
+
+
+@dataclasses.dataclass
+class Verdict:
+    """A choice and why: per candidate, its median ratio to the baseline and the noise."""
+
+    choice: str
+    reason: str
+    ratios: dict  # name -> median ratio to the baseline (1.0 for the baseline).
+    noise: dict  # name -> the threshold its median ratio had to clear (as a ratio).
+    rounds: int
+
+
+def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
+    """Picks the baseline or the candidate clearly faster than it.
+
+    Args:
+        rates: {name: [throughput per round]}, rounds aligned across names (round i of
+            every name ran back to back). A zero or missing rate (cut off, failed) counts
+            against its candidate.
+        baseline: the name kept unless another is clearly faster.
+        min_gain: the smallest gain worth switching for.
+        z: how many standard errors of the median log-ratio the gain must clear.
+
+    Returns:
+        A `Verdict`.
+    """
+    base = rates[baseline]
+    rounds = len(base)
+    ratios, noise, accepted = {baseline: 1.0}, {baseline: 0.0}, {}
+    for name, values in rates.items():
+        if name == baseline:
+            continue
+        pairs = [(v, b) for v, b in zip(values, base, strict=False) if b > 0]
+        logs = [math.log(v / b) if v > 0 else -math.inf for v, b in pairs]
+        if len(logs) < MIN_ROUNDS or any(math.isinf(x) for x in logs):
+            ratios[name], noise[name] = (math.exp(statistics.median(logs)) if logs else 0.0), math.inf
+            continue
+        median = statistics.median(logs)
+        spread = 1.4826 * statistics.median(abs(x - median) for x in logs)  # Robust standard deviation.
+        # The median's standard error is about 1.25 sigma / sqrt(n).
+        threshold = max(math.log1p(min_gain), z * 1.25 * spread / math.sqrt(len(logs)))
+        wins = sum(x > 0 for x in logs)
+        ratios[name], noise[name] = math.exp(median), math.exp(threshold)
+        if median > threshold and wins * 3 >= 2 * len(logs):
+            accepted[name] = median
+    if not accepted:
+        others = {k: v for k, v in ratios.items() if k != baseline}
+        if rounds < MIN_ROUNDS or not others:
+            why = f"{baseline}: too few rounds to tell" if others else f"{baseline}: nothing else to compare"
+        else:
+            best = max(others, key=others.get)
+            verdict = "slower" if ratios[best] < 1 else "within the noise"
+            limit = f"needs > {noise[best]:.2f}x" if math.isfinite(noise[best]) else "failed or cut off"
+            why = f"{baseline}: {best} ran {ratios[best]:.2f}x, {verdict} ({limit}; median of {rounds} rounds)"
+        return Verdict(baseline, why, ratios, noise, rounds)
+    choice = max(accepted, key=accepted.get)
+    why = f"{choice}: {ratios[choice]:.2f}x {baseline} (median of {rounds} rounds; noise needs > {noise[choice]:.2f}x)"
+    return Verdict(choice, why, ratios, noise, rounds)
+
+
+def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12):
+    """Runs `runners` ({name: fn() -> throughput}) in turns until the budget is spent.
+
+    At least `min_rounds` rounds run (unless one round alone overruns the budget, then
+    what was measured is returned); rounds stop at `max_rounds` or when another would
+    overrun the budget at the pace seen so far.
+
+    Returns:
+        {name: [throughput per round]}.
+    """
+    rates = {name: [] for name in runners}
+    start = clock()
+    for round_index in range(max_rounds):
+        for name, run in runners.items():
+            rates[name].append(run())
+        spent = clock() - start
+        per_round = spent / (round_index + 1)
+        if round_index + 1 >= min_rounds and spent + per_round > budget_seconds:
+            break
+        if spent > budget_seconds:
+            break
+    return rates

@@ -1,0 +1,157 @@
+"""`jit_compile`: whether the per-replica math of tfmp's steps runs as one XLA computation.
+
+"auto" compiles the step with XLA (a model XLA cannot compile runs without it, after one
+warning line) and then times the forward and backward passes with and without XLA, in
+alternating rounds on a batch of zeros, keeping XLA only when it is clearly faster (see
+`tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
+statistics, dropout seeds) is put back afterwards.
+"""
+
+import re
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmp import distribute, gradients, timing
+from tfmp.errors import UsageError, first_line
+
+CHOICES = ("auto", True, False)
+AUTO_BUDGET_SECONDS = 15.0
+TURN_SECONDS = 0.25  # Each variant's share of a round.
+# Per model architecture, batch and setup, in this process: whether XLA compiles it (None
+# or why not), and what "auto" measured.
+_PROBES, _VERDICTS = {}, {}
+ON, OFF = "XLA", "no XLA"
+
+
+def check(jit_compile):
+    """Raises UsageError unless `jit_compile` is "auto", True or False."""
+    if jit_compile not in CHOICES or (jit_compile in (0, 1) and not isinstance(jit_compile, bool)):
+        raise UsageError(f'jit_compile must be "auto", True or False, got {jit_compile!r}')
+
+
+def replica_batch(element_spec, replicas, default_batch=8):
+    """Zeros shaped like one replica's batch of `element_spec` (a global batch's spec)."""
+
+    def zeros(spec):
+        shape = list(spec.shape)
+        if shape and shape[0] is not None:
+            shape[0] = max(shape[0] // replicas, 1)
+        shape = [default_batch if i == 0 and d is None else (d or 1) for i, d in enumerate(shape)]
+        return tf.zeros(shape, spec.dtype)
+
+    return tf.nest.map_structure(zeros, element_spec)
+
+
+def probe(steps, batches):
+    """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
+    fn = tf.function(steps._replica_gradients, jit_compile=True)  # noqa: SLF001 - the function Steps compiles.
+
+    def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
+        fn.experimental_get_compiler_ir(b)(stage="hlo")
+        return tf.constant(0)
+
+    tf_logger, level = tf.get_logger(), tf.get_logger().level
+    tf_logger.setLevel("ERROR")  # Not "Using MirroredStrategy eagerly has significant overhead".
+    try:
+        steps.strategy.run(lower, args=(batches,))  # In a replica context, like the real step.
+    except (ValueError, TypeError, tf.errors.OpError) as e:
+        text = first_line(e).removeprefix("Failed getting HLO text: ").strip("'")
+        unsupported = re.search(r"unsupported operations .* on XLA_\w+: (\w+)", text)
+        return f"no XLA kernel for {unsupported.group(1)}" if unsupported else text[:200]
+    finally:
+        tf_logger.setLevel(level)
+    return None
+
+
+def _throughput(steps, jit, batches, repeats):
+    fn = tf.function(steps._replica_gradients, jit_compile=True) if jit else steps._replica_gradients  # noqa: SLF001
+    strategy = steps.strategy
+
+    def replica(b):
+        grads, losses, _ = fn(b)
+        # A checksum of every output, so that no part of the work can be pruned away.
+        sums = [tf.reduce_sum(tf.cast(gradients.values(g), tf.float32)) for g in grads if g is not None]
+        return tf.add_n(sums + [tf.cast(x, tf.float32) for x in losses])
+
+    @tf.function
+    def run(b):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(b,)), axis=None)
+
+    run(batches).numpy()  # Trace and compile.
+    examples = repeats * len(batches) * int(tf.shape(tf.nest.flatten(batches[0])[0])[0])
+
+    def timed():
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run(batches).numpy()
+        return examples / (time.perf_counter() - start)
+
+    return timed
+
+
+def measure(steps, batches, budget_seconds=AUTO_BUDGET_SECONDS, clock=time.perf_counter):
+    """Examples/second per replica of the gradient computation without and with XLA, in
+    alternating rounds: {OFF: [...], ON: [...]}. Leaves the model's state as it was."""
+    model = steps.model
+    saved = [v.numpy() for v in model.non_trainable_variables]
+    try:
+        with steps.strategy.scope():
+            off = _throughput(steps, False, batches, 1)
+            start = clock()
+            off()
+            repeats = int(np.clip(TURN_SECONDS / max(clock() - start, 1e-6), 1, 50))
+            runners = {OFF: _throughput(steps, False, batches, repeats), ON: _throughput(steps, True, batches, repeats)}
+            return timing.alternate(runners, budget_seconds, clock)
+    finally:
+        with steps.strategy.scope():
+            for v, value in zip(model.non_trainable_variables, saved, strict=True):
+                v.assign(value)
+        model.reset_metrics()
+
+
+def resolve(steps, element_spec, jit_compile, per_replica=False):
+    """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
+
+    `element_spec` is a global batch's, or one replica's when `per_replica`."""
+    check(jit_compile)
+    if jit_compile is False:
+        steps.compile(False)
+        return False, "off"
+    if distribute.strategy_name(steps.strategy) == "tpu":
+        steps.compile(True)
+        return True, "TPUs always compile with XLA"
+    replicas = 1 if per_replica else steps.strategy.num_replicas_in_sync
+    batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
+    key = _fingerprint(steps, batches)
+    if key not in _PROBES:
+        _PROBES[key] = probe(steps, batches)
+        if _PROBES[key]:
+            logging.warning("XLA cannot compile this model (%s); training without XLA", _PROBES[key])
+    if _PROBES[key]:
+        use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
+    elif jit_compile is True:
+        use, why = True, "on"
+    else:
+        if key not in _VERDICTS:
+            _VERDICTS[key] = timing.decide(measure(steps, batches), baseline=OFF)
+        verdict = _VERDICTS[key]
+        use, why = verdict.choice == ON, f"auto: {verdict.reason}"
+    steps.compile(use)
+    return use, why
+
+
+def _fingerprint(steps, batches):
+    """What a verdict depends on: the model's layers and weights, the batch, the setup."""
+    model = steps.model
+    return (
+        type(model).__name__,
+        tuple((type(layer).__name__, layer.dtype_policy.name) for layer in model._flatten_layers()),  # noqa: SLF001
+        tuple((tuple(v.shape), v.dtype) for v in model.weights),
+        tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches)),
+        distribute.strategy_name(steps.strategy),
+        steps.strategy.num_replicas_in_sync,
+        type(steps.optimizer).__name__,
+    )
