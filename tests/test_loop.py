@@ -185,10 +185,7 @@ def test_two_worker_train_binary(tmp_path):
     }
     assert len(list((model_dir / "checkpoints").glob("ckpt-*.index"))) == 1  # The chief's final checkpoint only.
     metrics = json.loads((model_dir / "metrics.json").read_text())
-    assert (
-        metrics["workers"] == 2
-        and metrics["weights_sha256"].startswith(fingerprints[0])
-    )
+    assert metrics["workers"] == 2 and metrics["weights_sha256"].startswith(fingerprints[0])
     assert "tfmp-worker-" in results[1][1]  # The other worker wrote to its temporary place.
 
 
