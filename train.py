@@ -82,6 +82,12 @@ flags.DEFINE_enum(
     "XLA for each replica's forward and backward passes, under any strategy. auto: measure both ways before "
     "training and keep XLA only where it is clearly faster; a model XLA cannot compile trains without it.",
 )
+flags.DEFINE_float(
+    "trial_seconds",
+    None,
+    "Seconds of alternating rounds in the precision trial of --precision=auto (on a bfloat16 CPU) or autotune "
+    "(default 30).",
+)
 flags.DEFINE_enum(
     "resume",
     "auto",

@@ -18,6 +18,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(autouse=True)
+def _short_trials(monkeypatch):
+    """In-process runs time their precision and XLA choices for a few seconds, not half a
+    minute: the tests check how the choice is made, not this machine's speed."""
+    from tfmp import autotune, xla
+
+    monkeypatch.setattr(autotune, "TRIAL_SECONDS", 3.0)
+    monkeypatch.setattr(xla, "AUTO_BUDGET_SECONDS", 2.0)
+
+
+@pytest.fixture(autouse=True)
 def _reset_policy():
     """Every test starts and ends under float32 with fresh Keras state."""
     keras.config.set_dtype_policy("float32")

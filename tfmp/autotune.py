@@ -1,76 +1,83 @@
-"""`--precision=autotune`: time the candidate policies on the user's own model, batch and
-strategy, and keep the fastest one whose loss stays finite."""
+"""`--precision=autotune` (and `auto` on a bfloat16 CPU): time the candidate policies on the
+user's own model, batch and strategy, and keep the fastest one whose loss stays finite.
+
+The policies take turns of equal length for several rounds (`tfmp.timing.alternate`),
+and a mixed policy replaces float32 only when its gain is beyond the noise of those
+rounds (`tfmp.timing.decide`): never slower than float32 beyond the noise, and about a
+minute at most per model.
+"""
 
 import json
+import math
 import os
+import statistics
 import time
 
 from absl import logging
 
-from tfmp import benchlib, precision
+from tfmp import benchlib, precision, timing
 from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
+BASELINE = "float32"
 CACHE_FILE = "autotune.json"
-MARGIN = 0.03  # A mixed policy must beat float32 by this much in the trial to be chosen.
+TRIAL_SECONDS = 30.0  # The alternating rounds; building and warming up the candidates come on top.
+TARGET_ROUNDS = 8
+WARMUP = 3
 
 
-def _trial(policy, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds):
-    """Trains `warmup + steps` steps under `policy`; returns a row of figures."""
-    candidate = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
-    candidate.run(steps, warmup, time.perf_counter() + budget_seconds)
-    times = candidate.durations
-    timed = times[warmup:] if len(times) > warmup + 1 else times[1:] or times
-    return {
-        "policy": policy,
-        "examples_per_second": len(timed) * global_batch / sum(timed),
-        "steps": len(times),
-        "finite": candidate.finite,
-        "cut_off": len(times) < warmup + steps,
-    }
+def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=None, clock=time.perf_counter):
+    """Trains each candidate policy in alternating turns; returns (rows, `timing.Verdict`).
 
-
-def choose(rows, margin=MARGIN):
-    """The fastest policy with a finite loss; float32 unless another beats it by `margin`.
-
-    A short trial measures with a few percent of noise: a mixed policy that is not clearly
-    faster is not worth its numerical risk, and keeping float32 then keeps the choice
-    from ever being slower than float32.
+    Each candidate is built, warmed up (`WARMUP` steps: tracing, allocation), then runs a
+    turn of about equal length per round. One whose warm-up alone takes a third of the
+    budget (float16 on most CPUs) is cut off; one whose loss is not finite never wins.
     """
-    safe = {r["policy"]: r["examples_per_second"] for r in rows if r["finite"]}
-    if not safe:
-        return "float32"
-    fastest = max(safe, key=safe.get)
-    if "float32" in safe and safe[fastest] < safe["float32"] * (1 + margin):
-        return "float32"
-    return fastest
+    budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
+    built, per_step = {}, {}
+    for policy in candidates:
+        built[policy] = c = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
+        c.run(0, WARMUP, math.inf)
+        per_step[policy] = statistics.median(c.durations[1:])
+        c.cut_off = per_step[policy] * 2 > budget_seconds / 3
+    turn = min(max(budget_seconds / (TARGET_ROUNDS * len(candidates)), 0.2), 5.0)
+    runners = {}
+    for policy, c in built.items():
+        steps = max(2, round(turn / per_step[policy]))
+        runners[policy] = (lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf))
+    rates = timing.alternate(runners, budget_seconds, clock)
+    usable = {p: (r if built[p].finite else [0.0] * len(r)) for p, r in rates.items()}
+    verdict = timing.decide(usable, BASELINE if BASELINE in usable else candidates[0])
+    rows = [
+        {
+            "policy": p,
+            "examples_per_second": statistics.median(rates[p]),
+            "rounds": rates[p],
+            "ratio": verdict.ratios.get(p),
+            "steps": len(c.durations),
+            "finite": c.finite,
+            "cut_off": c.cut_off,
+        }
+        for p, c in built.items()
+    ]
+    return rows, verdict
 
 
 def table(rows, chosen):
     """The trial table, for the console."""
-    lines = [f"  {'policy':15s} {'examples/s':>11s}  steps  loss finite"]
+    lines = [f"  {'policy':15s} {'examples/s':>11s}  {'vs float32':>10s}  rounds  steps  loss finite"]
     for r in rows:
         mark = "  <- chosen" if r["policy"] == chosen else ""
-        note = " (cut off by the time budget)" if r["cut_off"] else ""
+        note = " (cut off: too slow)" if r["cut_off"] else ""
+        ratio = f"{r['ratio']:.2f}x" if r.get("ratio") else "-"
         lines.append(
-            f"  {r['policy']:15s} {r['examples_per_second']:11,.0f}  {r['steps']:5d}  "
-            f"{'yes' if r['finite'] else 'NO':11s}{note}{mark}"
+            f"  {r['policy']:15s} {r['examples_per_second']:11,.0f}  {ratio:>10s}  {len(r.get('rounds', [])):6d}  "
+            f"{r['steps']:5d}  {'yes' if r['finite'] else 'NO':11s}{note}{mark}"
         )
     return "\n".join(lines)
 
 
-def autotune(
-    key,
-    build_model,
-    ds,
-    strategy,
-    global_batch,
-    cache_dir,
-    candidates=CANDIDATES,
-    steps=10,
-    warmup=3,
-    budget_seconds=20.0,
-):
+def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates=CANDIDATES, **trial_kwargs):
     """Chooses the fastest candidate policy with a finite loss, or reads the cached choice.
 
     Args:
@@ -80,10 +87,11 @@ def autotune(
         strategy: the run's strategy.
         global_batch: the global batch size.
         cache_dir: where autotune.json keeps choices per (device, key).
-        candidates, steps, warmup, budget_seconds: the trial.
+        candidates: the policies to time.
+        **trial_kwargs: passed to `trial` (budget_seconds, clock).
 
     Returns:
-        A `precision.Decision` (not yet applied) whose reason holds the trial table.
+        A `precision.Decision` (not yet applied) whose reason holds the verdict and the table.
     """
     device = benchlib.device_name()
     cache_key = f"{device}|{key}"
@@ -92,15 +100,22 @@ def autotune(
     if os.path.exists(path):
         with open(path) as f:
             cache = json.load(f)
-    if cache_key in cache:
+    if cache_key in cache and "reason" in cache[cache_key]:
         entry = cache[cache_key]
-        return Decision(entry["policy"], f"autotune, cached in {path}:\n{table(entry['rows'], entry['policy'])}")
-    rows = [_trial(p, build_model, ds, strategy, global_batch, steps, warmup, budget_seconds) for p in candidates]
-    chosen = choose(rows)
-    cache[cache_key] = {"policy": chosen, "rows": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        how = f"autotune, cached in {path}: {entry['reason']}"
+        return Decision(entry["policy"], f"{how}\n{table(entry['rows'], entry['policy'])}")
+    rows, verdict = trial(candidates, build_model, ds, strategy, global_batch, **trial_kwargs)
+    chosen = verdict.choice
+    cache[cache_key] = {
+        "policy": chosen,
+        "reason": verdict.reason,
+        "rows": rows,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     os.makedirs(cache_dir, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(cache, f, indent=2)
     os.replace(path + ".tmp", path)
     logging.info("Autotune chose %s", chosen)
-    return Decision(chosen, f"autotune, measured now:\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)
+    how = f"autotune, measured now: {verdict.reason}"
+    return Decision(chosen, f"{how}\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)

@@ -47,6 +47,7 @@ class Config:
     log_every: int = 10  # Steps between TensorBoard writes.
     export_dir: str | None = None
     jit_compile: str = "auto"  # XLA: auto (measured), true or false.
+    trial_seconds: float | None = None  # The precision trial's alternating rounds (None: autotune's default).
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
     diagnose: bool = False  # Run the numerics doctor on the model and data instead of training.
@@ -75,6 +76,8 @@ def validate(config):
         raise UsageError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
     if config.lr_scaling not in distribute.LR_SCALING:
         raise UsageError(f"unknown lr scaling {config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
+    if config.trial_seconds is not None:
+        _positive_finite("trial_seconds", config.trial_seconds)
     if config.jit_compile not in JIT_COMPILE:
         raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of auto, true, false")
     if config.resume not in RESUME:

@@ -191,12 +191,16 @@ def _train_and_evaluate(config, out, cleanup):
         if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
             decision = precision.resolve_policy("auto")
         elif trial:
-            decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir, trial)
+            decision = autotune.autotune(
+                key, build_model, ds, strategy, plan.global_batch, model_dir, trial, budget_seconds=config.trial_seconds
+            )
             how = decision.reason[len("autotune, ") :]
             reason = f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
             decision = decision._replace(reason=reason)
         else:
-            decision = autotune.autotune(key, build_model, ds, strategy, plan.global_batch, model_dir)
+            decision = autotune.autotune(
+                key, build_model, ds, strategy, plan.global_batch, model_dir, budget_seconds=config.trial_seconds
+            )
         precision.apply_policy(decision)
     # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
     # first: a precision trial (measured, cached or none) must not change the weights.

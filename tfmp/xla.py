@@ -92,9 +92,11 @@ def _throughput(steps, jit, batches, repeats):
     return timed
 
 
-def measure(steps, batches, budget_seconds=AUTO_BUDGET_SECONDS, clock=time.perf_counter):
+def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
     """Examples/second per replica of the gradient computation without and with XLA, in
-    alternating rounds: {OFF: [...], ON: [...]}. Leaves the model's state as it was."""
+    alternating rounds: {OFF: [...], ON: [...]}, within `budget_seconds` (default
+    AUTO_BUDGET_SECONDS) after compiling. Leaves the model's state as it was."""
+    budget_seconds = AUTO_BUDGET_SECONDS if budget_seconds is None else budget_seconds
     model = steps.model
     saved = [v.numpy() for v in model.non_trainable_variables]
     try:
