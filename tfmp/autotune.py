@@ -44,7 +44,7 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
     runners = {}
     for policy, c in built.items():
         steps = max(2, round(turn / per_step[policy]))
-        runners[policy] = (lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf))
+        runners[policy] = lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf)
     rates = timing.alternate(runners, budget_seconds, clock)
     usable = {p: (r if built[p].finite else [0.0] * len(r)) for p, r in rates.items()}
     verdict = timing.decide(usable, BASELINE if BASELINE in usable else candidates[0])

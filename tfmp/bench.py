@@ -1,8 +1,11 @@
-"""Benchmark precision policies per model, in one process: speed, MFU, memory, input rate.
+"""Benchmark precision policies per model, in one process: tfmp.fit against plain Keras
+`model.fit`, every policy in alternating rounds, with this machine's matmul and conv peaks.
 
-    python -m tfmp.bench --models=cnn,lstm --policies=float32,mixed_bfloat16,mixed_float16
+    python -m tfmp.bench                      # the bundled models, on their shipped data
+    python -m tfmp.bench --models=resnet50,bert_base --policies=float32,mixed_bfloat16 \\
+        --batch_size=16 --rounds=3 --autotune_runs=0 --sparse_vocab=
 
-Prints a table; writes bench.json and bench.png into --output_dir.
+Prints the table and comparisons; writes bench.json and bench.png into --output_dir.
 """
 
 import os
@@ -13,97 +16,97 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags  # noqa: E402
 
-from tfmp import benchlib, precision  # noqa: E402
+from tfmp import benchlib, benchrun, precision  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("models", ["cnn", "resnet", "lstm", "transformer"], "Models to benchmark.")
+flags.DEFINE_list(
+    "models",
+    ["cnn", "resnet", "lstm", "transformer"],
+    "Models: the bundled cnn, resnet, lstm, transformer (shipped data) and the real-size resnet50 "
+    "(224x224x3) and bert_base (12 x 768, sequence 128) on synthetic data.",
+)
 flags.DEFINE_list("policies", ["float32", "mixed_bfloat16", "mixed_float16"], "Policies to compare.")
 flags.DEFINE_integer("batch_size", 256, "Global batch size.")
-flags.DEFINE_integer("steps", 100, "Timed training steps per model and policy (after warm-up).")
-flags.DEFINE_integer("warmup_steps", 5, "Untimed steps first (tracing, allocation).")
-flags.DEFINE_float("budget_seconds", 60.0, "Wall-clock budget per model, policy and round; slower ones are cut off.")
-flags.DEFINE_integer("rounds", 3, "Rounds in which the policies take turns; each row reports its best round.")
+flags.DEFINE_integer("rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.")
+flags.DEFINE_float("round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.")
+flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
+flags.DEFINE_enum("jit_compile", "auto", ["auto", "true", "false"], "tfmp.fit's jit_compile (Keras fit: its default).")
 flags.DEFINE_integer("matmul_size", 2048, "Square matmul size for the peak FLOP/s micro-benchmark.")
-flags.DEFINE_integer("overhead_repeats", 5, "Alternating runs of plain Keras vs tfmp for the overhead ratio.")
-flags.DEFINE_string("overhead_model", "cnn", "Model for the plain-Keras overhead check ('' to skip).")
+flags.DEFINE_integer("autotune_runs", 3, "Independent autotune trials per bundled model, compared with the rounds.")
+flags.DEFINE_float("trial_seconds", 30.0, "Seconds of alternating rounds in each autotune trial.")
+flags.DEFINE_list("sparse_vocab", ["20000", "200000"], "Transformer vocabularies timed with dense vs sparse gradients.")
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
-flags.DEFINE_bool("autotune", True, "Also run --precision=autotune's trial per model and compare its pick.")
+
+
+def _print_choices(choices):
+    for c in choices:
+        picks = ", ".join(
+            f"{p['policy']} ({100 * p['vs_fastest']:.1f}% of the fastest, {p['seconds']:.0f} s)" for p in c["picks"]
+        )
+        print(f"{c['model']}: fastest in the rounds {c['fastest']}; autotune picked {picks}")
 
 
 def main(argv):
     del argv
-    for policy in FLAGS.policies:
-        if policy not in precision.POLICIES or policy == "auto":
-            print(
-                f"bench: error: unknown policy {policy!r}; choose from float32, mixed_bfloat16, mixed_float16",
-                file=sys.stderr,
-            )
-            sys.exit(2)
+    unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
+    if unknown:
+        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {', '.join(benchlib.DTYPES)}", file=sys.stderr)
+        sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     device = benchlib.device_name()
-    print(f"device: {device}")
-    peaks = benchlib.matmul_peaks(FLAGS.policies, FLAGS.matmul_size)
-    for policy, peak in peaks.items():
-        print(
-            f"matmul {FLAGS.matmul_size}x{FLAGS.matmul_size} peak, {benchlib.compute_dtype(policy)}: "
-            f"{peak['flops'] / 1e9:,.1f} GFLOP/s" + (" (cut off)" if peak["cut_off"] else "")
-        )
+    print(f"device: {device}", flush=True)
+    peaks = {
+        "matmul": benchlib.matmul_peaks(FLAGS.policies, FLAGS.matmul_size),
+        "conv": benchlib.conv_peaks(FLAGS.policies),
+    }
+    for op, label in (("matmul", f"matmul {FLAGS.matmul_size}x{FLAGS.matmul_size}"), ("conv", "conv 3x3 fwd+bwd")):
+        for policy, peak in peaks[op].items():
+            print(
+                f"{label} peak, {benchlib.compute_dtype(policy)}: {peak['flops'] / 1e9:,.1f} GFLOP/s"
+                + (" (cut off)" if peak["cut_off"] else ""),
+                flush=True,
+            )
+    jit = {"auto": "auto", "true": True, "false": False}[FLAGS.jit_compile]
     rows = []
     for name in FLAGS.models:
-        rows += benchlib.bench_model(
-            name,
-            FLAGS.policies,
-            FLAGS.batch_size,
-            FLAGS.steps,
-            FLAGS.warmup_steps,
-            FLAGS.budget_seconds,
-            peaks,
-            FLAGS.rounds,
+        rows += benchrun.bench_model(
+            name, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
-        logging.info("%s", rows[-len(FLAGS.policies) :])
-    benchlib.add_speedups(rows)
-    choices = benchlib.policy_choices(rows, FLAGS.models, FLAGS.policies, FLAGS.batch_size) if FLAGS.autotune else []
-    overhead = None
-    if FLAGS.overhead_model:
-        policy = max(
-            (r for r in rows if r["model"] == FLAGS.overhead_model and not r["cut_off"]),
-            key=lambda r: r["examples_per_second"],
-            default={"policy": "float32"},
-        )["policy"]
-        overhead = benchlib.overhead(
-            FLAGS.overhead_model, policy, FLAGS.batch_size, FLAGS.steps, FLAGS.warmup_steps, FLAGS.overhead_repeats
+        print(benchrun.table([r for r in rows if r["model"] == name]), flush=True)
+    bundled = [n for n in FLAGS.models if n in benchrun.models.MODELS]
+    choices = (
+        benchrun.policy_choices(
+            rows, bundled, FLAGS.policies, FLAGS.batch_size, FLAGS.autotune_runs, FLAGS.trial_seconds
         )
-    table = benchlib.table(rows)
-    print(table)
-    for c in choices:
+        if FLAGS.autotune_runs
+        else []
+    )
+    sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab]) if FLAGS.sparse_vocab else []
+    print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
+    print(benchrun.table(rows))
+    _print_choices(choices)
+    for s in sparse:
         print(
-            f"{c['model']}: fastest {c['fastest']}; auto -> {c['auto']} ({100 * c['auto_vs_fastest']:.1f}% of the "
-            f"fastest, {c['auto_vs_float32']:.2f}x float32); autotune -> {c['autotune']} "
-            f"({100 * c['autotune_vs_fastest']:.1f}% of the fastest, {c['autotune_vs_float32']:.2f}x float32)"
-        )
-    if overhead:
-        print(
-            f"overhead ({overhead['model']}, {overhead['policy']}, best of {FLAGS.overhead_repeats} alternating "
-            f"runs): plain Keras fit {overhead['plain_best']:,.0f} ex/s, tfmp {overhead['tfmp_best']:,.0f} ex/s, "
-            f"tfmp/plain = {overhead['ratio']:.3f} (medians: {overhead['median_ratio']:.3f})"
+            f"transformer step, vocabulary {s['vocab_size']:,}: embedding gradient dense {s['dense_ms']:.1f} ms, "
+            f"sparse {s['sparse_ms']:.1f} ms ({s['speedup']:.2f}x)"
         )
     result = {
         "device": device,
         "batch_size": FLAGS.batch_size,
-        "steps": FLAGS.steps,
-        "matmul_peaks": peaks,
         "rounds": FLAGS.rounds,
+        "round_seconds": FLAGS.round_seconds,
+        "jit_compile": FLAGS.jit_compile,
+        "peaks": peaks,
         "rows": rows,
         "choices": choices,
-        "overhead": overhead,
-        "auto_policy": precision.resolve_policy("auto").policy,
+        "sparse": sparse,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)
-    benchlib.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
+    benchrun.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
     print(f"wrote {FLAGS.output_dir}/bench.json and bench.png")
 
 

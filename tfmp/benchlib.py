@@ -1,27 +1,24 @@
 """The measuring parts of `tfmp.bench` and `--precision=autotune`: each returns plain figures."""
 
-import functools
 import os
 import platform
 import statistics
-import tempfile
 import time
 
 import keras
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
 import models
-from tfmp import callbacks, data, loop, loss_scale, training
+from tfmp import data, loop, loss_scale
 
-_DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
+DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 DEFAULT_DATA = {"image": "digits", "text": "sentiment"}
 
 
 def compute_dtype(policy):
     """The compute dtype of a policy name."""
-    return _DTYPES[policy]
+    return DTYPES[policy]
 
 
 def device_name():
@@ -52,17 +49,46 @@ def matmul_peaks(policies, n=2048, budget_seconds=20.0):
         a = tf.random.uniform((n, n), dtype=tf.float32)
         a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
         matmul = tf.function(lambda x, y: tf.reduce_sum(tf.cast(tf.matmul(x, y)[0, :1], tf.float32)))
-        start = time.perf_counter()
-        matmul(a, b).numpy()  # Trace and warm up.
-        first = time.perf_counter() - start
-        times = [first]
-        while first < budget_seconds and sum(times[1:]) < 2.0 and len(times) < 50:
-            start = time.perf_counter()
-            matmul(a, b).numpy()
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[1:]) if len(times) > 1 else first
-        peaks[policy] = {"flops": 2 * n**3 / seconds, "cut_off": first >= budget_seconds}
+        peaks[policy] = _peak(lambda a=a, b=b, matmul=matmul: matmul(a, b).numpy(), budget_seconds)
+        peaks[policy]["flops"] *= 2 * n**3
     return peaks
+
+
+def conv_peaks(policies, batch=32, size=56, channels=64, budget_seconds=20.0):
+    """Measured FLOP/s of a 3x3 convolution (same padding), forward and backward, in each
+    policy's compute dtype: {policy: {"flops": FLOP/s, "cut_off": bool}}."""
+    peaks = {}
+    for policy in policies:
+        dtype = compute_dtype(policy)
+        x = tf.cast(tf.random.uniform((batch, size, size, channels)), dtype)
+        kernel = tf.cast(tf.random.uniform((3, 3, channels, channels)) * 0.1, dtype)
+
+        @tf.function
+        def step(x, kernel):
+            with tf.GradientTape() as tape:
+                tape.watch([x, kernel])
+                y = tf.nn.conv2d(x, kernel, 1, "SAME")
+                loss = tf.reduce_sum(tf.cast(y, tf.float32))
+            dx, dk = tape.gradient(loss, [x, kernel])
+            return tf.reduce_sum(tf.cast(dx[0, 0, 0], tf.float32)) + tf.reduce_sum(tf.cast(dk[0, 0, 0], tf.float32))
+
+        peaks[policy] = _peak(lambda x=x, kernel=kernel, step=step: step(x, kernel).numpy(), budget_seconds)
+        peaks[policy]["flops"] *= 3 * 2 * batch * size * size * channels * channels * 9  # Forward + 2 backward.
+    return peaks
+
+
+def _peak(call, budget_seconds):
+    """{"flops": calls/second (median of up to 2 s of calls after a warm-up), "cut_off"}."""
+    start = time.perf_counter()
+    call()
+    first = time.perf_counter() - start
+    times = [first]
+    while first < budget_seconds and sum(times[1:]) < 2.0 and len(times) < 50:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:]) if len(times) > 1 else first
+    return {"flops": 1.0 / seconds, "cut_off": first >= budget_seconds}
 
 
 def flops_per_example(model):
@@ -83,15 +109,6 @@ def _memory_bytes():
         return tf.config.experimental.get_memory_info("GPU:0")["peak"]
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _MemoryPeak(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.peak = _memory_bytes()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.peak = max(self.peak, _memory_bytes())
 
 
 _DATA_CACHE = {}
@@ -126,16 +143,6 @@ def build_model(name, source, ds):
         vocab_size=ds.vectorizer.vocabulary_size(),
         sequence_length=ds.train.element_spec[0].shape[-1],
     )
-
-
-def time_fit(model, dataset, batch_size, steps, warmup, budget_seconds=None):
-    """Trains `warmup + steps` steps with `model.fit`; returns (Throughput, memory peak, loss)."""
-    timer = callbacks.Throughput(batch_size, warmup, budget_seconds)
-    memory = _MemoryPeak()
-    if tf.config.list_physical_devices("GPU"):
-        tf.config.experimental.reset_memory_stats("GPU:0")
-    history = model.fit(dataset, steps_per_epoch=warmup + steps, epochs=1, verbose=0, callbacks=[timer, memory])
-    return timer, memory.peak, history.history["loss"][-1]
 
 
 class Candidate:
@@ -185,196 +192,3 @@ class Candidate:
                 break
         self.step_times += times
         return len(times) * self.global_batch / sum(times) if times else 0.0
-
-
-def bench_model(name, policies, batch_size, steps, warmup, budget_seconds, peaks, rounds=2):
-    """Benchmarks one model under each policy. Returns a row dict of figures per policy.
-
-    The policies take turns for `rounds` rounds, so that a slow spell of a shared machine
-    does not fall on one policy; each row reports its best round (the least disturbed),
-    like `timeit`. A policy that runs past `budget_seconds` is cut off and not run again.
-    """
-    keras.backend.clear_session()
-    kind = models.MODELS[name].kind
-    ds = bench_data(kind, batch_size)
-    rate_in = input_rate(ds.train, batch_size)
-    build = functools.partial(build_model, name, ds.source, ds)
-    candidates = {p: Candidate(p, build, ds, tf.distribute.get_strategy(), batch_size) for p in policies}
-    rates = {p: [] for p in policies}
-    for _ in range(rounds):
-        for policy, c in candidates.items():
-            if not c.cut_off:
-                if tf.config.list_physical_devices("GPU"):
-                    tf.config.experimental.reset_memory_stats("GPU:0")
-                rates[policy].append(
-                    c.run(steps, warmup if not c.step_times else 1, time.perf_counter() + budget_seconds)
-                )
-    rows = []
-    for policy, c in candidates.items():
-        rate, times = max(rates[policy] or [0.0]), c.step_times
-        flops = flops_per_example(c.model)
-        rows.append(
-            {
-                "model": name,
-                "policy": policy,
-                "examples_per_second": rate,
-                "rounds": rates[policy],
-                "step_ms_median": 1e3 * statistics.median(times) if times else None,
-                "step_ms_spread": 1e3 * (statistics.quantiles(times, n=10)[-1] - statistics.quantiles(times, n=10)[0])
-                if len(times) > 2
-                else 0.0,
-                "steps_timed": len(times),
-                "cut_off": c.cut_off,
-                "final_loss": c.loss,
-                "peak_memory_mb": c.memory / 2**20,
-                "train_flops_per_example": flops,
-                "mfu": flops * rate / peaks[policy]["flops"] if peaks[policy]["flops"] else None,
-                "input_examples_per_second": rate_in,
-                "input_over_train": rate_in / rate if rate else None,
-            }
-        )
-    return rows
-
-
-def add_speedups(rows):
-    """Adds each row's speedup over the same model's float32 row (None without one)."""
-    base = {r["model"]: r["examples_per_second"] for r in rows if r["policy"] == "float32"}
-    for r in rows:
-        b = base.get(r["model"])
-        r["speedup_vs_float32"] = r["examples_per_second"] / b if b else None
-
-
-def overhead(name, policy, batch_size, steps, warmup, repeats=3):
-    """Examples/second of plain `model.fit` vs `tfmp.training`, same model, policy and data.
-
-    The runs alternate, `repeats` of each; `ratio` compares the best run of each (the
-    least disturbed by the rest of the machine), `median_ratio` their medians.
-    """
-    kind = models.MODELS[name].kind
-    plain, tfmp_rates = [], []
-    for _ in range(repeats):
-        keras.backend.clear_session()
-        keras.config.set_dtype_policy(policy)
-        ds = bench_data(kind, batch_size)
-        model = build_model(name, ds.source, ds)
-        # Hand-written Keras: Keras wraps its own LossScaleOptimizer under mixed_float16.
-        model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
-        plain.append(time_fit(model, ds.train, batch_size, steps, warmup)[0].examples_per_second)
-        keras.backend.clear_session()
-        with tempfile.TemporaryDirectory() as model_dir:
-            config = training.Config(
-                model=name,
-                dataset=DEFAULT_DATA[kind],
-                precision=policy,
-                batch_size=batch_size,
-                epochs=1,
-                steps_per_epoch=warmup + steps,
-                model_dir=model_dir,
-                verbose=0,
-                strategy="default",
-                warmup_steps=warmup,
-            )
-            tfmp_rates.append(training.train_and_evaluate(config, out=open(os.devnull, "w"))["examples_per_second"])
-        logging.info("overhead run: plain %.0f, tfmp %.0f ex/s", plain[-1], tfmp_rates[-1])
-    return {
-        "model": name,
-        "policy": policy,
-        "plain": plain,
-        "tfmp": tfmp_rates,
-        "plain_median": statistics.median(plain),
-        "tfmp_median": statistics.median(tfmp_rates),
-        "median_ratio": statistics.median(tfmp_rates) / statistics.median(plain),
-        "plain_best": max(plain),
-        "tfmp_best": max(tfmp_rates),
-        "ratio": max(tfmp_rates) / max(plain),  # Best run against best run, as for the policy rows.
-    }
-
-
-def table(rows):
-    """The console table."""
-    head = ("model", "policy", "ex/s", "speedup", "step ms (med, spread)", "MFU", "peak MB", "input ex/s", "in/train")
-    lines = []
-    for r in rows:
-        speed = f"{r['speedup_vs_float32']:.2f}x" if r.get("speedup_vs_float32") else "-"
-        step = f"{r['step_ms_median']:.1f} ({r['step_ms_spread']:.1f})" if r["step_ms_median"] else "-"
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        note = " CUT OFF" if r["cut_off"] else ""
-        lines.append(
-            (
-                r["model"],
-                r["policy"] + note,
-                f"{r['examples_per_second']:,.0f}",
-                speed,
-                step,
-                mfu,
-                f"{r['peak_memory_mb']:,.0f}",
-                f"{r['input_examples_per_second']:,.0f}",
-                f"{r['input_over_train']:.1f}x" if r["input_over_train"] else "-",
-            )
-        )
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=False)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
-
-
-def plot(rows, path):
-    """A bar chart of examples/second per model and policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r["model"] for r in rows))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
-    width = 0.8 / len(policies)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for i, policy in enumerate(policies):
-        values = [
-            next((r["examples_per_second"] for r in rows if r["model"] == n and r["policy"] == policy), 0)
-            for n in names
-        ]
-        ax.bar(np.arange(len(names)) + i * width, values, width, label=policy)
-    ax.set_xticks(np.arange(len(names)) + width * (len(policies) - 1) / 2, names)
-    ax.set_ylabel("training examples / second")
-    ax.set_title(f"tfmp bench: {device_name()}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def policy_choices(rows, names, policies, batch_size):
-    """Per model: the fastest policy measured, what `auto` and `autotune` pick, and how fast
-    their picks ran in this benchmark, relative to the fastest and to float32."""
-    from tfmp import autotune, precision  # autotune imports this module.
-
-    trial = precision.auto_trial_candidates()
-    choices = []
-    for name in names:
-        speed = {r["policy"]: r["examples_per_second"] for r in rows if r["model"] == name}
-        keras.backend.clear_session()
-        ds = bench_data(models.MODELS[name].kind, batch_size)
-        with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as auto_dir:
-            build = functools.partial(build_model, name, ds.source, ds)
-            strategy = tf.distribute.get_strategy()
-            auto = (
-                autotune.autotune(name, build, ds, strategy, batch_size, auto_dir, trial).policy
-                if trial
-                else precision.resolve_policy("auto").policy
-            )
-            tuned = autotune.autotune(name, build, ds, strategy, batch_size, cache_dir, candidates=policies).policy
-        fastest = max(speed, key=speed.get)
-        base = speed.get("float32") or float("nan")
-        choices.append(
-            {
-                "model": name,
-                "fastest": fastest,
-                "auto": auto,
-                "autotune": tuned,
-                "auto_vs_fastest": speed.get(auto, 0.0) / speed[fastest],
-                "autotune_vs_fastest": speed[tuned] / speed[fastest],
-                "auto_vs_float32": speed.get(auto, 0.0) / base,
-                "autotune_vs_float32": speed[tuned] / base,
-            }
-        )
-    return choices

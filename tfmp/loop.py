@@ -7,6 +7,7 @@ import re
 import signal
 import tempfile
 import threading
+import weakref
 
 import keras
 import numpy as np
@@ -164,7 +165,19 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
     optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`."""
     inputs.build_for(model, strategy, element_spec)
     loss_scale.for_model(model, strategy)
-    return Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution)
+    # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
+    # second fit (or evaluate) with the same setup traces and compiles nothing again.
+    key = (strategy, model.optimizer, model._compile_loss, model._compile_metrics)  # noqa: SLF001
+    settings = (grad_accum_steps, clipnorm, steps_per_execution)
+    kept = _STEPS.get(model)
+    if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1] == settings:
+        return kept[2]
+    steps = Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution)
+    _STEPS[model] = key, settings, steps
+    return steps
+
+
+_STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
 
 
 def evaluate(model, data, *, steps=None, strategy=None, jit_compile=False):

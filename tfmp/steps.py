@@ -108,6 +108,8 @@ class Steps:
 
     def compile(self, jit_compile):
         """(Re)creates the compiled steps, with each replica's math under XLA or not."""
+        if getattr(self, "_one", None) is not None and self.jit_compile == bool(jit_compile):
+            return  # Already so: keep what was traced.
         self.jit_compile = bool(jit_compile)
         jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
         self.gradients = jit(self._replica_gradients)

@@ -1,0 +1,280 @@
+"""The benchmark's runs: each policy trained by tfmp.fit and by plain Keras `model.fit`, in
+alternating rounds, and the rows, table and comparisons made from them."""
+
+import functools
+import math
+import statistics
+import tempfile
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import models
+from models import realsize
+from tfmp import autotune, benchlib, callbacks, loop, loss_scale, steps, timing
+
+TRAINERS = ("tfmp", "keras")
+CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
+
+
+class FitRunner:
+    """One model under one policy, trained a turn at a time by `tfmp.fit` or `model.fit`.
+
+    Each turn is one call of fit for `steps + 1` steps; its first step is not timed (a new
+    iterator, callbacks set up), the others are, from one batch end to the next.
+    """
+
+    def __init__(self, trainer, policy, build, dataset, batch_size, jit_compile):
+        keras.config.set_dtype_policy(policy)
+        keras.utils.set_random_seed(0)
+        self.model = build()
+        optimizer = keras.optimizers.Adam(1e-3)
+        # Keras wraps its own LossScaleOptimizer under mixed_float16, as a Keras user gets it.
+        models.compile(self.model, loss_scale.wrap_optimizer(optimizer) if trainer == "tfmp" else optimizer)
+        self.trainer, self.dataset, self.batch_size, self.jit_compile = trainer, dataset, batch_size, jit_compile
+        self.rates, self.step_times, self.loss, self.memory, self.jit_used = [], [], math.nan, 0, None
+
+    def run(self, steps):
+        """Trains `steps` timed steps; returns their examples/second."""
+        timer = callbacks.Throughput(self.batch_size, warmup_steps=1)
+        if tf.config.list_physical_devices("GPU"):
+            tf.config.experimental.reset_memory_stats("GPU:0")
+        if self.trainer == "tfmp":
+            history = loop.fit(
+                self.model,
+                self.dataset,
+                steps_per_epoch=steps + 1,
+                callbacks=[timer],
+                jit_compile=self.jit_compile,
+                verbose=0,
+            )
+            self.jit_used = history.params["jit_compile"]
+        else:
+            history = self.model.fit(
+                self.dataset, steps_per_epoch=steps + 1, epochs=1, verbose=0, callbacks=[timer], shuffle=False
+            )
+            self.jit_used = bool(self.model.jit_compile)
+        self.loss = float(history.history["loss"][-1])
+        self.memory = max(self.memory, benchlib._memory_bytes())  # noqa: SLF001 - one module's helper.
+        self.step_times += timer.step_times
+        return timer.examples_per_second
+
+
+def _model_and_data(name, batch_size):
+    """(build, dataset, kind, input rate) for a bundled or a real-size model."""
+    if name in realsize.MODELS:
+        kind = "image" if name == "resnet50" else "text"
+        return realsize.MODELS[name], realsize.synthetic(name, batch_size), kind, None
+    kind = models.MODELS[name].kind
+    ds = benchlib.bench_data(kind, batch_size)
+    return functools.partial(benchlib.build_model, name, ds.source, ds), ds.train, kind, None
+
+
+def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, peaks, jit_compile="auto"):
+    """Benchmarks one model: every policy, trained by tfmp and by Keras, in alternating rounds.
+
+    Every (policy, trainer) gets one turn per round, each turn about `round_seconds` divided
+    among them (from 1 to `max_steps` timed steps, by the step time seen while warming up),
+    and every round runs: no policy is cut off. Returns one row per policy.
+    """
+    keras.backend.clear_session()
+    build, dataset, kind, _ = _model_and_data(name, batch_size)
+    rate_in = benchlib.input_rate(dataset, batch_size) if name not in realsize.MODELS else None
+    runners = {(p, t): FitRunner(t, p, build, dataset, batch_size, jit_compile) for p in policies for t in TRAINERS}
+    turn = round_seconds / len(runners)
+    steps = {}
+    for key, runner in runners.items():  # Warm up: trace, compile (XLA's "auto" measures here).
+        start = time.perf_counter()
+        runner.run(1)
+        per_step = statistics.median(runner.step_times) if runner.step_times else time.perf_counter() - start
+        steps[key] = int(np.clip(round(turn / per_step), 1, max_steps))
+        runner.step_times = []
+    for _ in range(rounds):
+        for key, runner in runners.items():
+            runner.rates.append(runner.run(steps[key]))
+    base = runners.get(("float32", "tfmp"))
+    rows = []
+    for policy in policies:
+        ours, theirs = runners[(policy, "tfmp")], runners[(policy, "keras")]
+        flops = benchlib.flops_per_example(ours.model)
+        rate = statistics.median(ours.rates)
+        speedup = _median_ratio(ours.rates, base.rates) if base else None
+        possible = {
+            op: peak[policy]["flops"] / peak["float32"]["flops"] if "float32" in peak else None
+            for op, peak in peaks.items()
+        }
+        bound = possible["conv" if name in CONV_MODELS else "matmul"]
+        rows.append(
+            {
+                "model": name,
+                "policy": policy,
+                "batch_size": batch_size,
+                "examples_per_second": rate,
+                "rounds": ours.rates,
+                "speedup_vs_float32": speedup,
+                "possible_speedup": possible,
+                "share_of_possible_gain": (speedup - 1) / (bound - 1) if speedup and bound and bound > 1.01 else None,
+                "keras_fit_examples_per_second": statistics.median(theirs.rates),
+                "keras_fit_rounds": theirs.rates,
+                "tfmp_vs_keras_fit": _median_ratio(ours.rates, theirs.rates),
+                "jit_compile": {"tfmp": ours.jit_used, "keras": theirs.jit_used},
+                "step_ms_median": 1e3 * statistics.median(ours.step_times),
+                "steps_timed": len(ours.step_times),
+                "final_loss": ours.loss,
+                "peak_memory_mb": ours.memory / 2**20,
+                "train_flops_per_example": flops,
+                "mfu": flops * rate / peaks["matmul"][policy]["flops"],
+                "input_examples_per_second": rate_in,
+            }
+        )
+    return rows
+
+
+def _median_ratio(a, b):
+    """The median of per-round ratios a[i] / b[i] (rounds that ran back to back)."""
+    ratios = [x / y for x, y in zip(a, b, strict=True) if y > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def table(rows):
+    """The console (and README) table."""
+    head = (
+        "model", "policy", "ex/s", "vs fp32", "possible", "share", "Keras fit ex/s", "tfmp/Keras", "XLA tfmp/Keras",
+        "MFU", "peak MB",
+    )  # fmt: skip
+    lines = []
+    for r in rows:
+        kind = "conv" if r["model"] in CONV_MODELS else "matmul"
+        possible = r["possible_speedup"][kind]
+
+        def fmt(value, spec, suffix=""):
+            return "-" if value is None else f"{value:{spec}}{suffix}"
+
+        lines.append(
+            (
+                r["model"],
+                r["policy"],
+                _rate(r["examples_per_second"]),
+                fmt(r["speedup_vs_float32"], ".2f", "x"),
+                f"{possible:.2f}x {kind}" if possible else "-",
+                fmt(r["share_of_possible_gain"] and 100 * r["share_of_possible_gain"], ".0f", "%"),
+                _rate(r["keras_fit_examples_per_second"]),
+                fmt(r["tfmp_vs_keras_fit"], ".2f"),
+                "/".join("on" if r["jit_compile"][t] else "off" for t in TRAINERS),
+                fmt(100 * r["mfu"], ".0f", "%"),
+                f"{r['peak_memory_mb']:,.0f}",
+            )
+        )
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=False)]
+    fmt_line = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt_line.format(*head), *(fmt_line.format(*line) for line in lines)])
+
+
+def _rate(value):
+    return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
+
+
+def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None):
+    """Per model: what `--precision=autotune`'s trial picks in `runs` independent trials,
+    and how fast its picks ran in this benchmark's rounds, relative to the fastest."""
+    choices = []
+    for name in names:
+        speed = {r["policy"]: r["examples_per_second"] for r in rows if r["model"] == name}
+        fastest = max(speed, key=speed.get)
+        picks = []
+        for _ in range(runs):
+            keras.backend.clear_session()
+            ds = benchlib.bench_data(models.MODELS[name].kind, batch_size)
+            build = functools.partial(benchlib.build_model, name, ds.source, ds)
+            with tempfile.TemporaryDirectory() as cache_dir:
+                start = time.perf_counter()
+                strategy = tf.distribute.get_strategy()
+                decision = autotune.autotune(
+                    name, build, ds, strategy, batch_size, cache_dir, policies, budget_seconds=trial_seconds
+                )
+                picks.append(
+                    {
+                        "policy": decision.policy,
+                        "vs_fastest": speed[decision.policy] / speed[fastest],
+                        "vs_float32": speed[decision.policy] / speed["float32"] if "float32" in speed else None,
+                        "seconds": time.perf_counter() - start,
+                        "reason": decision.reason.splitlines()[0],
+                    }
+                )
+        choices.append({"model": name, "fastest": fastest, "picks": picks})
+    return choices
+
+
+def sparse_steps(vocab_sizes, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
+    """Milliseconds per training step of the bundled transformer with its embedding gradient
+    densified (as before) and kept sparse, in alternating rounds, per vocabulary size."""
+    results = []
+    for vocab in vocab_sizes:
+        keras.backend.clear_session()
+        keras.config.set_dtype_policy("float32")
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, vocab, (batch_size, sequence_length))
+        dataset = tf.data.Dataset.from_tensors((x, rng.integers(0, 2, batch_size))).repeat()
+        strategy = tf.distribute.get_strategy()
+        runs = {}
+        for sparse in (False, True):
+            keras.utils.set_random_seed(0)
+            model = models.compile(
+                models.MODELS["transformer"].build(2, vocab_size=vocab, sequence_length=sequence_length),
+                keras.optimizers.Adam(1e-3),
+            )
+            loop.prepare(model, strategy, dataset.element_spec)  # Builds the model and optimizer.
+            compiled = steps.Steps(model, strategy, sparse=sparse)
+            iterator = iter(dataset)
+            compiled.train(iterator)  # Trace.
+            runs["sparse" if sparse else "dense"] = (compiled, iterator)
+
+        def turn(compiled, iterator):
+            start = time.perf_counter()
+            for _ in range(steps_per_turn):
+                compiled.train(iterator)
+            return steps_per_turn / (time.perf_counter() - start)
+
+        rates = timing.alternate(
+            {k: functools.partial(turn, *v) for k, v in runs.items()}, math.inf, time.perf_counter, rounds, rounds
+        )
+        results.append(
+            {
+                "vocab_size": vocab,
+                "dense_ms": 1e3 / statistics.median(rates["dense"]),
+                "sparse_ms": 1e3 / statistics.median(rates["sparse"]),
+                "speedup": _median_ratio(rates["sparse"], rates["dense"]),
+            }
+        )
+    return results
+
+
+def plot(rows, path):
+    """Bars per model: each policy's examples/second under tfmp and Keras fit, relative to
+    tfmp's float32 (models differ in speed by orders of magnitude)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["model"] for r in rows))
+    bars = [(r["policy"], t) for r in rows if r["model"] == names[0] for t in TRAINERS]
+    width = 0.8 / len(bars)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, (policy, trainer) in enumerate(bars):
+        values = []
+        for name in names:
+            row = next((r for r in rows if r["model"] == name and r["policy"] == policy), None)
+            base = next((r["examples_per_second"] for r in rows if r["model"] == name and r["policy"] == "float32"), 0)
+            key = "examples_per_second" if trainer == "tfmp" else "keras_fit_examples_per_second"
+            values.append(row[key] / base if row and base else 0)
+        ax.bar(np.arange(len(names)) + i * width, values, width, label=f"{policy} ({trainer})")
+    ax.set_xticks(np.arange(len(names)) + width * (len(bars) - 1) / 2, names)
+    ax.set_ylabel("examples/s relative to tfmp float32")
+    ax.set_title(f"tfmp bench: {benchlib.device_name()}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
