@@ -4,7 +4,9 @@
 warning line) and then times the forward and backward passes with and without XLA, in
 alternating rounds on a batch of zeros, keeping XLA only when it is clearly faster (see
 `tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
-statistics, dropout seeds) is put back afterwards.
+statistics, dropout seeds) is put back afterwards. On several workers, which would time
+differently and must all run the same collectives, "auto" follows a rule instead: XLA on
+GPUs, not on CPUs (TPUs always compile with XLA).
 """
 
 import re
@@ -136,6 +138,10 @@ def resolve(steps, element_spec, jit_compile, per_replica=False):
         use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
     elif jit_compile is True:
         use, why = True, "on"
+    elif distribute.num_workers(steps.strategy) > 1:
+        # Timings differ between hosts, and all must run the same collectives: a rule instead.
+        use = bool(tf.config.list_physical_devices("GPU"))
+        why = f"auto on several workers: {'GPUs: on' if use else 'CPUs: off'} (not measured, so that all agree)"
     else:
         if key not in _VERDICTS:
             _VERDICTS[key] = timing.decide(measure(steps, batches), baseline=OFF)
