@@ -37,12 +37,15 @@ def run_train(*flags, cwd=REPO):
 
 
 def test_train_binary_smoke(tmp_path):
-    result = run_train("--epochs=1", "--steps_per_epoch=4", f"--model_dir={tmp_path / 'run'}")
+    result = run_train("--epochs=1", "--steps_per_epoch=4", "--trial_seconds=3", f"--model_dir={tmp_path / 'run'}")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert METRIC_KEYS <= set(metrics)
     assert metrics["strategy"] == "default" and metrics["replicas"] == 1 and metrics["steps"] == 4
     assert metrics["examples_per_second"] > 0
+    # jit_compile=auto: measured, or off with the reason where XLA cannot compile the model.
+    assert isinstance(metrics["jit_compile"], bool) and metrics["jit_compile_reason"]
+    assert f"XLA         {'on' if metrics['jit_compile'] else 'off'} (" in result.stdout
     for words in ("precision", "strategy", "per-replica batch", "global batch", "learning rate", "test accuracy"):
         assert words in result.stdout
     files = {p.name for p in (tmp_path / "run").iterdir()}
@@ -70,9 +73,11 @@ def test_mirrored_two_replicas_float16(tmp_path):
         steps_per_epoch=3,
         model_dir=str(tmp_path),
         loss_scale_initial=2.0**10,
+        jit_compile="true",
         verbose=0,
     )
     metrics = training.train_and_evaluate(config)
+    assert metrics["jit_compile"] is True  # XLA under MirroredStrategy, with loss scaling.
     assert metrics["replicas"] == 2 and metrics["strategy"] == "mirrored"
     assert metrics["per_replica_batch_size"] == 8 and metrics["global_batch_size"] == 16
     assert metrics["policy"] == "mixed_float16" and metrics["final_loss_scale"] is not None

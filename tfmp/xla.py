@@ -128,6 +128,9 @@ def resolve(steps, element_spec, jit_compile, per_replica=False):
         steps.compile(True)
         return True, "TPUs always compile with XLA"
     replicas = 1 if per_replica else steps.strategy.num_replicas_in_sync
+    if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(element_spec)):
+        steps.compile(False)
+        return False, "the inputs are not all dense tensors (ragged or sparse)"
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
     if key not in _PROBES:
