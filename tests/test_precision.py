@@ -10,14 +10,15 @@ from tfmp.precision import Hardware
     "hardware, expected",
     [
         (Hardware(tpu=True), "mixed_bfloat16"),
-        (Hardware(gpu_capability=(8, 0), gpu_name="A100"), "mixed_float16"),
+        (Hardware(gpu_capability=(8, 0), gpu_name="A100"), "mixed_bfloat16"),  # Same Tensor Core rate, no loss scale.
+        (Hardware(gpu_capability=(7, 5), gpu_name="T4"), "mixed_float16"),
         (Hardware(gpu_capability=(7, 0), gpu_name="V100"), "mixed_float16"),
         (Hardware(gpu_capability=(6, 1), gpu_name="P4"), "float32"),
         (Hardware(cpu_flags=("amx_bf16",)), "mixed_bfloat16"),
         (Hardware(cpu_flags=("avx512_bf16",)), "mixed_bfloat16"),
         (Hardware(), "float32"),
         (Hardware(tpu=True, cpu_flags=("amx_bf16",)), "mixed_bfloat16"),
-        (Hardware(gpu_capability=(9, 0), gpu_name="H100", cpu_flags=("amx_bf16",)), "mixed_float16"),
+        (Hardware(gpu_capability=(9, 0), gpu_name="H100", cpu_flags=("amx_bf16",)), "mixed_bfloat16"),
     ],
 )
 def test_auto_choice(hardware, expected):

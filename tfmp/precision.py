@@ -64,6 +64,11 @@ def choose_policy(hardware):
         return "mixed_bfloat16", "TPU found: bfloat16 is native on TPU matrix units"
     if hardware.gpu_capability is not None:
         cc = "{}.{}".format(*hardware.gpu_capability)
+        if hardware.gpu_capability >= (8, 0):
+            return "mixed_bfloat16", (
+                f"GPU {hardware.gpu_name} has compute capability {cc} >= 8.0: bfloat16 Tensor Cores run at the "
+                "float16 rate and need no loss scaling"
+            )
         if hardware.gpu_capability >= (7, 0):
             return "mixed_float16", f"GPU {hardware.gpu_name} has compute capability {cc} >= 7.0 (float16 Tensor Cores)"
         return "float32", f"GPU {hardware.gpu_name} has compute capability {cc} < 7.0: float16 would not be faster"
