@@ -37,6 +37,7 @@ def test_real_accuracy_float32_and_bfloat16(tmp_path, case):
             learning_rate=learning_rate,
             seed=0,
             deterministic=True,  # Same figures run to run: the comparison is not a coin toss.
+            jit_compile="false",  # Not timed against XLA here: accuracy is what is measured.
             model_dir=str(tmp_path / policy),
             verbose=0,
         )

@@ -16,7 +16,11 @@ def test_notebook_code_runs_on_cpu(tmp_path):
     source = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
     assert 'STRATEGY = "tpu"' in source and "tpu=TPU" in source
     script = tmp_path / "notebook.py"
-    script.write_text(source.replace('STRATEGY = "tpu"', 'STRATEGY = "auto"', 1))
+    source = source.replace('STRATEGY = "tpu"', 'STRATEGY = "auto"', 1)
+    # On this CPU auto times float32 against bfloat16, and XLA on and off: briefly here.
+    assert source.count('precision="auto",') == 2
+    source = source.replace('precision="auto",', 'precision="auto", trial_seconds=3, jit_compile="false",')
+    script.write_text(source)
     env = {**os.environ, "TFMP_SKIP_INSTALL": "1", "TFMP_RUNS": str(tmp_path / "runs"), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
         [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600

@@ -104,6 +104,22 @@ def test_auto_follows_the_measurement(monkeypatch):
     assert faster.params["jit_compile"] is True and slower.params["jit_compile"] is False
 
 
+def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_path):
+    timings = iter(
+        [
+            {xla.OFF: [100.0] * 4, xla.ON: [140.0, 139.0, 141.0, 140.0]},  # The first run: XLA wins.
+            {xla.OFF: [100.0] * 4, xla.ON: [60.0] * 4},  # Would lose now; the resumed run keeps it.
+        ]
+    )
+    monkeypatch.setattr(xla, "measure", lambda *_: next(timings))
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    first = tfmp.fit(tiny_regression(), regression_data(), epochs=1, checkpoint_dir=str(tmp_path), verbose=0)
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    assert first.params["jit_compile"] is True and resumed.params["jit_compile"] is True
+    assert next(timings)[xla.ON] == [60.0] * 4  # Not measured again.
+
+
 def tiny_regression():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])

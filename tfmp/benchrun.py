@@ -115,7 +115,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
                 "rounds": ours.rates,
                 "speedup_vs_float32": speedup,
                 "possible_speedup": possible,
-                "share_of_possible_gain": (speedup - 1) / (bound - 1) if speedup and bound and bound > 1.01 else None,
+                "share_of_possible_gain": (speedup - 1) / (bound - 1) if speedup and bound and bound > 1.1 else None,
                 "keras_fit_examples_per_second": statistics.median(theirs.rates),
                 "keras_fit_rounds": theirs.rates,
                 "tfmp_vs_keras_fit": _median_ratio(ours.rates, theirs.rates),

@@ -3,8 +3,6 @@
 import contextlib
 import math
 import os
-import re
-import signal
 import tempfile
 import threading
 import weakref
@@ -14,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, inputs, loss_scale, xla
+from tfmp import checkpoint, distribute, doctor, guards, inputs, loss_scale, xla
 from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 from tfmp.steps import STEP_STATE, Steps
 
@@ -116,9 +114,13 @@ def fit(
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
-    _, why = xla.resolve(steps, train_input.element_spec, jit_compile, per_replica=train_input.fn is not None)
+    kept = xla.remembered(checkpoint_dir) if jit_compile == "auto" and checkpoint.latest(checkpoint_dir) else None
+    use, why = xla.resolve(
+        steps, train_input.element_spec, kept[0] if kept else jit_compile, per_replica=train_input.fn is not None
+    )
+    why = kept[1] if kept else why
     if verbose != 0 and jit_compile == "auto":
-        print(f"XLA: {'on' if steps.jit_compile else 'off'} ({why})", flush=True)
+        print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
     optimizer = steps.optimizer
     chief = distribute.is_chief(strategy)
     log_dir = log_dir or checkpoint_dir
@@ -129,6 +131,8 @@ def fit(
         if checkpoint_dir:
             if chief:  # One run at a time in a checkpoint directory.
                 cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
+                if jit_compile == "auto" and not kept:
+                    xla.remember(checkpoint_dir, use, why)
             target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
             saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
             if saver.restore():
@@ -136,28 +140,10 @@ def fit(
         run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
-        except _PEER_ERRORS as e:
+        except guards.PEER_ERRORS as e:
             if distribute.num_workers(strategy) < 2:
                 raise
-            raise PeerLost(_peer_message(e, saver)) from e
-
-
-# What a collective op raises when another worker dies or its heartbeats stop.
-_PEER_ERRORS = (
-    tf.errors.UnavailableError,
-    tf.errors.AbortedError,
-    tf.errors.InternalError,
-    tf.errors.CancelledError,
-    tf.errors.DeadlineExceededError,
-)
-
-
-def _peer_message(error, saver):
-    tasks = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error))))
-    who = ", ".join(f"{job} {index}" for job, index in tasks) or "another worker"
-    latest = tf.train.latest_checkpoint(saver.restore_from) if saver is not None else None
-    kept = f"the last checkpoint, {latest}, is intact" if latest else "no checkpoint was saved yet"
-    return f"{who} stopped answering ({type(error).__name__}); {kept}; rerun the job to resume"
+            raise PeerLost(guards.peer_message(e, saver)) from e
 
 
 def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
@@ -253,34 +239,6 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
     return strategy
 
 
-@contextlib.contextmanager
-def _sigterm_sets(event, active):
-    """While active, SIGTERM sets `event` instead of killing the process (main thread only)."""
-    if not active or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _preemption_handler(strategy, saver):
-    """TensorFlow's own preemption handling where several hosts must agree on when to save
-    (multi-worker, TPU); None elsewhere, where a SIGTERM handler does it."""
-    if saver is None or distribute.strategy_name(strategy) not in ("multi_worker", "tpu"):
-        return None
-
-    def exit_fn():
-        raise Preempted(f"SIGTERM: checkpoint saved in {saver.directory}; rerun the same command to resume")
-
-    config = tf.distribute.experimental.TerminationConfig(exit_fn=exit_fn)
-    return tf.distribute.experimental.PreemptionCheckpointHandler(
-        strategy.cluster_resolver, saver.manager, termination_config=config
-    )
-
-
 class _Run:
     """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
 
@@ -319,11 +277,11 @@ class _Run:
         self.step = step
         self.monitor = self._monitor(step)
         iterator = source.stream(epoch * source.period + offset) if source.streamed else None
-        stop, handler = threading.Event(), _preemption_handler(steps.strategy, self.saver)
+        stop, handler = threading.Event(), guards.preemption_handler(steps.strategy, self.saver)
         model.stop_training = False
         self.callbacks.on_train_begin()
         epoch_logs = {}
-        with _sigterm_sets(stop, self.saver is not None and handler is None):
+        with guards.sigterm_sets(stop, self.saver is not None and handler is None):
             while epoch < epochs and not model.stop_training:
                 model.reset_metrics()
                 self.callbacks.on_epoch_begin(epoch)

@@ -2,13 +2,15 @@
 
 "auto" compiles the step with XLA (a model XLA cannot compile runs without it, after one
 warning line) and then times the forward and backward passes with and without XLA, in
-alternating rounds on a batch of zeros, keeping XLA only when it is clearly faster (see
+alternating rounds on a batch of ones, keeping XLA only when it is clearly faster (see
 `tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
 statistics, dropout seeds) is put back afterwards. On several workers, which would time
 differently and must all run the same collectives, "auto" follows a rule instead: XLA on
 GPUs, not on CPUs (TPUs always compile with XLA).
 """
 
+import json
+import os
 import re
 import time
 
@@ -35,16 +37,20 @@ def check(jit_compile):
 
 
 def replica_batch(element_spec, replicas, default_batch=8):
-    """Zeros shaped like one replica's batch of `element_spec` (a global batch's spec)."""
+    """Ones shaped like one replica's batch of `element_spec` (a global batch's spec).
 
-    def zeros(spec):
+    Ones, not zeros: a token id of 0 is padding to a masking embedding (an LSTM would skip
+    every step), and a sample weight of 0 weighs nothing.
+    """
+
+    def ones(spec):
         shape = list(spec.shape)
         if shape and shape[0] is not None:
             shape[0] = max(shape[0] // replicas, 1)
         shape = [default_batch if i == 0 and d is None else (d or 1) for i, d in enumerate(shape)]
-        return tf.zeros(shape, spec.dtype)
+        return tf.ones(shape, spec.dtype) if spec.dtype != tf.string else tf.fill(shape, "a")
 
-    return tf.nest.map_structure(zeros, element_spec)
+    return tf.nest.map_structure(ones, element_spec)
 
 
 def probe(steps, batches):
@@ -72,6 +78,7 @@ def _throughput(steps, jit, batches, repeats):
     fn = tf.function(steps._replica_gradients, jit_compile=True) if jit else steps._replica_gradients  # noqa: SLF001
     strategy = steps.strategy
 
+    @tf.autograph.experimental.do_not_convert  # Straight-line code; AutoGraph warns on the closure.
     def replica(b):
         grads, losses, _ = fn(b)
         # A checksum of every output, so that no part of the work can be pruned away.
@@ -166,3 +173,28 @@ def _fingerprint(steps, batches):
         steps.strategy.num_replicas_in_sync,
         type(steps.optimizer).__name__,
     )
+
+
+CHOICE_FILE = "jit_compile.json"
+
+
+def remembered(directory):
+    """(XLA on?, why) that "auto" chose for the run checkpointed in `directory`, or None.
+
+    A resumed run keeps its first choice, so that it goes on exactly as an unbroken run would.
+    """
+    path = os.path.join(directory, CHOICE_FILE) if directory else None
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    return bool(saved["jit_compile"]), f"kept from the run being resumed ({saved['reason']})"
+
+
+def remember(directory, use, why):
+    """Writes what "auto" chose next to the run's checkpoints."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, CHOICE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"jit_compile": use, "reason": why}, f)
+    os.replace(path + ".tmp", path)
