@@ -86,7 +86,7 @@ flags.DEFINE_float(
     "trial_seconds",
     None,
     "Seconds of alternating rounds in the precision trial of --precision=auto (on a bfloat16 CPU) or autotune "
-    "(default 30).",
+    "(at most; default 45: a clear gap ends the rounds early).",
 )
 flags.DEFINE_enum(
     "resume",

@@ -85,3 +85,19 @@ def test_alternate_stops_after_one_round_that_overruns():
     ticks = iter([0.0, 100.0, 200.0])
     rates = timing.alternate({"a": lambda: 1.0}, 10.0, lambda: next(ticks))
     assert rates == {"a": [1.0]}
+
+
+def test_a_clear_case_stops_early_a_close_one_uses_the_budget():
+    def runners(gain):
+        return {"float32": lambda: 100.0, "bf16": lambda: 100.0 * gain}
+
+    clock = itertools.count(0.0, 1.0)
+    clear = timing.alternate(runners(1.5), 100.0, lambda: next(clock), baseline="float32")
+    assert len(clear["bf16"]) == timing.MIN_ROUNDS  # Won beyond doubt: no more rounds.
+    slower = timing.alternate(runners(0.7), 100.0, lambda: next(clock), baseline="float32")
+    assert len(slower["bf16"]) == timing.MIN_ROUNDS  # Clearly slower: no more rounds either.
+    noisy = iter([100.0, 104.0, 97.0, 103.0] * 10)
+    close = timing.alternate(
+        {"float32": lambda: 100.0, "bf16": lambda: next(noisy)}, 100.0, lambda: next(clock), baseline="float32"
+    )
+    assert len(close["bf16"]) == 12  # Undecided: every round the budget allows.

@@ -21,8 +21,8 @@ from tfmp.precision import Decision
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
 BASELINE = "float32"
 CACHE_FILE = "autotune.json"
-TRIAL_SECONDS = 30.0  # The alternating rounds; building and warming up the candidates come on top.
-TARGET_ROUNDS = 8
+TRIAL_SECONDS = 45.0  # At most, for the alternating rounds; building and warming up come on top.
+MAX_ROUNDS = 12
 WARMUP = 3
 
 
@@ -40,14 +40,16 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
         c.run(0, WARMUP, math.inf)
         per_step[policy] = statistics.median(c.durations[1:])
         c.cut_off = per_step[policy] * 2 > budget_seconds / 3
-    turn = min(max(budget_seconds / (TARGET_ROUNDS * len(candidates)), 0.2), 5.0)
+    turn = min(max(budget_seconds / (MAX_ROUNDS * len(candidates)), 0.2), 5.0)
     runners = {}
     for policy, c in built.items():
         steps = max(2, round(turn / per_step[policy]))
         runners[policy] = lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf)
-    rates = timing.alternate(runners, budget_seconds, clock)
+    # A clear verdict ends the rounds early; a close one gets up to the whole budget.
+    baseline = BASELINE if BASELINE in built else candidates[0]
+    rates = timing.alternate(runners, budget_seconds, clock, max_rounds=MAX_ROUNDS, baseline=baseline)
     usable = {p: (r if built[p].finite else [0.0] * len(r)) for p, r in rates.items()}
-    verdict = timing.decide(usable, BASELINE if BASELINE in usable else candidates[0])
+    verdict = timing.decide(usable, baseline)
     rows = [
         {
             "policy": p,

@@ -35,7 +35,7 @@ flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
 flags.DEFINE_enum("jit_compile", "auto", ["auto", "true", "false"], "tfmp.fit's jit_compile (Keras fit: its default).")
 flags.DEFINE_integer("matmul_size", 2048, "Square matmul size for the peak FLOP/s micro-benchmark.")
 flags.DEFINE_integer("autotune_runs", 3, "Independent autotune trials per bundled model, compared with the rounds.")
-flags.DEFINE_float("trial_seconds", 30.0, "Seconds of alternating rounds in each autotune trial.")
+flags.DEFINE_float("trial_seconds", 45.0, "At most this many seconds of alternating rounds in each autotune trial.")
 flags.DEFINE_list("sparse_vocab", ["20000", "200000"], "Transformer vocabularies timed with dense vs sparse gradients.")
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
 

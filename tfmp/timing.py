@@ -76,12 +76,25 @@ def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
     return Verdict(choice, why, ratios, noise, rounds)
 
 
-def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12):
+def settled(rates, baseline, min_gain=MIN_GAIN, z=Z):
+    """Whether more rounds would not change `decide`'s verdict: a candidate already wins, or
+    every candidate is clearly below the gain worth having (its median plus the noise
+    threshold under 1 + min_gain)."""
+    verdict = decide(rates, baseline, min_gain, z)
+    if verdict.choice != baseline:
+        return True
+    others = [n for n in rates if n != baseline]
+    return all(math.isinf(verdict.noise[n]) or verdict.ratios[n] * verdict.noise[n] < 1 + min_gain for n in others)
+
+
+def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12, baseline=None):
     """Runs `runners` ({name: fn() -> throughput}) in turns until the budget is spent.
 
     At least `min_rounds` rounds run (unless one round alone overruns the budget, then
-    what was measured is returned); rounds stop at `max_rounds` or when another would
-    overrun the budget at the pace seen so far.
+    what was measured is returned); rounds stop at `max_rounds`, when another would
+    overrun the budget at the pace seen so far, or, given a `baseline`, as soon as the
+    verdict against it is `settled`: a clear case takes a few rounds, a close one all
+    the budget allows.
 
     Returns:
         {name: [throughput per round]}.
@@ -93,7 +106,8 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
             rates[name].append(run())
         spent = clock() - start
         per_round = spent / (round_index + 1)
-        if round_index + 1 >= min_rounds and spent + per_round > budget_seconds:
+        enough = round_index + 1 >= min_rounds
+        if enough and (spent + per_round > budget_seconds or (baseline and settled(rates, baseline))):
             break
         if spent > budget_seconds:
             break

@@ -115,7 +115,7 @@ def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
             off()
             repeats = int(np.clip(TURN_SECONDS / max(clock() - start, 1e-6), 1, 50))
             runners = {OFF: _throughput(steps, False, batches, repeats), ON: _throughput(steps, True, batches, repeats)}
-            return timing.alternate(runners, budget_seconds, clock)
+            return timing.alternate(runners, budget_seconds, clock, baseline=OFF)
     finally:
         with steps.strategy.scope():
             for v, value in zip(model.non_trainable_variables, saved, strict=True):
