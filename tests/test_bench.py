@@ -56,6 +56,7 @@ def test_bench_writes_figures(tmp_path):
     (sparse,) = bench["sparse"]
     assert sparse["vocab_size"] == 500 and sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 5000
+    assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
     assert "tfmp/Keras" in result.stdout and "autotune picked" in result.stdout and "sparse" in result.stdout
 
 

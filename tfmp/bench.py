@@ -5,7 +5,8 @@
     python -m tfmp.bench --models=resnet50,bert_base --policies=float32,mixed_bfloat16 \\
         --batch_size=16 --rounds=3 --autotune_runs=0 --sparse_vocab=
 
-Prints the table and comparisons; writes bench.json and bench.png into --output_dir.
+Prints the table and comparisons; writes bench.json, bench.md (the same as README tables) and
+bench.png into --output_dir.
 """
 
 import os
@@ -106,8 +107,10 @@ def main(argv):
     }
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)
+    with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
+        f.write(benchrun.markdown(result) + "\n")
     benchrun.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
-    print(f"wrote {FLAGS.output_dir}/bench.json and bench.png")
+    print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
 
 
 if __name__ == "__main__":

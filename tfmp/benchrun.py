@@ -278,3 +278,44 @@ def plot(rows, path):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def markdown(result):
+    """bench.json's figures as README tables: the rows, then autotune's picks and the sparse check."""
+    rows = result["rows"]
+    out = [
+        "| model | policy | tfmp ex/s | vs float32 | possible (peaks) | share of it | Keras fit ex/s | tfmp / Keras "
+        "| XLA tfmp / Keras | MFU | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        kind = "conv" if r["model"] in CONV_MODELS else "matmul"
+        possible, share = r["possible_speedup"][kind], r["share_of_possible_gain"]
+        out.append(
+            f"| {r['model']} | {r['policy']} | {_rate(r['examples_per_second'])} | "
+            f"{r['speedup_vs_float32']:.2f}x | {f'{possible:.2f}x {kind}' if possible else '-'} | "
+            f"{f'{100 * share:.0f}%' if share is not None else '-'} | {_rate(r['keras_fit_examples_per_second'])} | "
+            f"{r['tfmp_vs_keras_fit']:.2f} | "
+            f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
+            f"{r['peak_memory_mb']:,.0f} |"
+        )
+    if result.get("choices"):
+        out += [
+            "",
+            "| model | fastest in the rounds | autotune's picks (share of the fastest, trial seconds) |",
+            "|---|---|---|",
+        ]
+        for c in result["choices"]:
+            picks = ", ".join(f"{p['policy']} ({100 * p['vs_fastest']:.1f}%, {p['seconds']:.0f} s)" for p in c["picks"])
+            out.append(f"| {c['model']} | {c['fastest']} | {picks} |")
+    if result.get("sparse"):
+        out += [
+            "",
+            "| transformer vocabulary | step, gradient densified | step, gradient sparse | speedup |",
+            "|---|---|---|---|",
+        ]
+        for s in result["sparse"]:
+            out.append(
+                f"| {s['vocab_size']:,} | {s['dense_ms']:.1f} ms | {s['sparse_ms']:.1f} ms | {s['speedup']:.2f}x |"
+            )
+    return "\n".join(out)
