@@ -38,6 +38,12 @@ flags.DEFINE_integer("matmul_size", 2048, "Square matmul size for the peak FLOP/
 flags.DEFINE_integer("autotune_runs", 3, "Independent autotune trials per bundled model, compared with the rounds.")
 flags.DEFINE_float("trial_seconds", 45.0, "At most this many seconds of alternating rounds in each autotune trial.")
 flags.DEFINE_list("sparse_vocab", ["20000", "200000"], "Transformer vocabularies timed with dense vs sparse gradients.")
+flags.DEFINE_integer(
+    "sparse_replicas",
+    1,
+    "Replicas for the sparse check: above 1, a MirroredStrategy over that many GPUs, or over logical CPU devices "
+    "on a CPU (where the all-reduce is what a dense embedding gradient costs).",
+)
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
 
 
@@ -49,6 +55,19 @@ def _print_choices(choices):
         print(f"{c['model']}: fastest in the rounds {c['fastest']}; autotune picked {picks}")
 
 
+def _sparse_strategy(replicas):
+    import tensorflow as tf
+
+    if replicas <= 1:
+        return tf.distribute.get_strategy()
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+    devices = [d.name for d in tf.config.list_logical_devices("GPU" if gpus else "CPU")][:replicas]
+    return tf.distribute.MirroredStrategy(devices)
+
+
 def main(argv):
     del argv
     unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
@@ -56,6 +75,7 @@ def main(argv):
         print(f"bench: error: unknown policy {unknown[0]!r}; choose from {', '.join(benchlib.DTYPES)}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
+    strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
     device = benchlib.device_name()
     print(f"device: {device}", flush=True)
     peaks = {
@@ -84,13 +104,14 @@ def main(argv):
         if FLAGS.autotune_runs
         else []
     )
-    sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab]) if FLAGS.sparse_vocab else []
+    sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy) if FLAGS.sparse_vocab else []
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
     print(benchrun.table(rows))
     _print_choices(choices)
     for s in sparse:
         print(
-            f"transformer step, vocabulary {s['vocab_size']:,}: embedding gradient dense {s['dense_ms']:.1f} ms, "
+            f"transformer step, vocabulary {s['vocab_size']:,}, {s['replicas']} replicas: embedding gradient "
+            f"dense {s['dense_ms']:.1f} ms, "
             f"sparse {s['sparse_ms']:.1f} ms ({s['speedup']:.2f}x)"
         )
     result = {
@@ -109,7 +130,8 @@ def main(argv):
         json.dump(result, f, indent=2)
     with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
         f.write(benchrun.markdown(result) + "\n")
-    benchrun.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
+    if rows:
+        benchrun.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
     print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
 
 

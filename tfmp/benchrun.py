@@ -207,9 +207,10 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
     return choices
 
 
-def sparse_steps(vocab_sizes, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
-    """Milliseconds per training step of the bundled transformer with its embedding gradient
-    densified (as before) and kept sparse, in alternating rounds, per vocabulary size."""
+def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
+    """Milliseconds per training step of the bundled transformer under `strategy`, with its
+    embedding gradient densified (as before) and kept sparse, in alternating rounds, per
+    vocabulary size."""
     results = []
     for vocab in vocab_sizes:
         keras.backend.clear_session()
@@ -217,17 +218,18 @@ def sparse_steps(vocab_sizes, batch_size=128, sequence_length=64, rounds=5, step
         rng = np.random.default_rng(0)
         x = rng.integers(0, vocab, (batch_size, sequence_length))
         dataset = tf.data.Dataset.from_tensors((x, rng.integers(0, 2, batch_size))).repeat()
-        strategy = tf.distribute.get_strategy()
         runs = {}
         for sparse in (False, True):
             keras.utils.set_random_seed(0)
-            model = models.compile(
-                models.MODELS["transformer"].build(2, vocab_size=vocab, sequence_length=sequence_length),
-                keras.optimizers.Adam(1e-3),
-            )
+            with strategy.scope():
+                model = models.compile(
+                    models.MODELS["transformer"].build(2, vocab_size=vocab, sequence_length=sequence_length),
+                    keras.optimizers.Adam(1e-3),
+                )
             loop.prepare(model, strategy, dataset.element_spec)  # Builds the model and optimizer.
             compiled = steps.Steps(model, strategy, sparse=sparse)
-            iterator = iter(dataset)
+            distributed = strategy.num_replicas_in_sync > 1
+            iterator = iter(strategy.experimental_distribute_dataset(dataset) if distributed else dataset)
             compiled.train(iterator)  # Trace.
             runs["sparse" if sparse else "dense"] = (compiled, iterator)
 
@@ -243,6 +245,7 @@ def sparse_steps(vocab_sizes, batch_size=128, sequence_length=64, rounds=5, step
         results.append(
             {
                 "vocab_size": vocab,
+                "replicas": strategy.num_replicas_in_sync,
                 "dense_ms": 1e3 / statistics.median(rates["dense"]),
                 "sparse_ms": 1e3 / statistics.median(rates["sparse"]),
                 "speedup": _median_ratio(rates["sparse"], rates["dense"]),
@@ -283,11 +286,15 @@ def plot(rows, path):
 def markdown(result):
     """bench.json's figures as README tables: the rows, then autotune's picks and the sparse check."""
     rows = result["rows"]
-    out = [
-        "| model | policy | tfmp ex/s | vs float32 | possible (peaks) | share of it | Keras fit ex/s | tfmp / Keras "
-        "| XLA tfmp / Keras | MFU | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    out = (
+        []
+        if not rows
+        else [
+            "| model | policy | tfmp ex/s | vs float32 | possible (peaks) | share of it | Keras fit ex/s | tfmp / Keras "
+            "| XLA tfmp / Keras | MFU | peak MB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+    )
     for r in rows:
         kind = "conv" if r["model"] in CONV_MODELS else "matmul"
         possible, share = r["possible_speedup"][kind], r["share_of_possible_gain"]
