@@ -106,7 +106,8 @@ def main(argv):
     )
     sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy) if FLAGS.sparse_vocab else []
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
-    print(benchrun.table(rows))
+    if rows:
+        print(benchrun.table(rows))
     _print_choices(choices)
     for s in sparse:
         print(
