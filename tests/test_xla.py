@@ -97,6 +97,7 @@ def test_auto_follows_the_measurement(monkeypatch):
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(verdicts))
     monkeypatch.setattr(xla, "_VERDICTS", {})
+    monkeypatch.setattr(xla, "_deterministic", lambda: False)  # Another test may have turned it on.
     data = regression_data()
     faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
     monkeypatch.setattr(xla, "_VERDICTS", {})
@@ -113,11 +114,25 @@ def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(timings))
     monkeypatch.setattr(xla, "_VERDICTS", {})
+    monkeypatch.setattr(xla, "_deterministic", lambda: False)
     first = tfmp.fit(tiny_regression(), regression_data(), epochs=1, checkpoint_dir=str(tmp_path), verbose=0)
     monkeypatch.setattr(xla, "_VERDICTS", {})
     resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
     assert first.params["jit_compile"] is True and resumed.params["jit_compile"] is True
     assert next(timings)[xla.ON] == [60.0] * 4  # Not measured again.
+
+
+def test_auto_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
+    """Reruns must match bit for bit: a timing could turn XLA on in one run and off in the next."""
+
+    def never(*_):
+        raise AssertionError("measured under op determinism")
+
+    monkeypatch.setattr(xla, "measure", never)
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    monkeypatch.setattr(xla, "_deterministic", lambda: True)
+    history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0)
+    assert history.params["jit_compile"] is bool(tf.config.list_physical_devices("GPU"))
 
 
 def tiny_regression():

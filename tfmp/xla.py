@@ -5,8 +5,9 @@ warning line) and then times the forward and backward passes with and without XL
 alternating rounds on a batch of ones, keeping XLA only when it is clearly faster (see
 `tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
 statistics, dropout seeds) is put back afterwards. On several workers, which would time
-differently and must all run the same collectives, "auto" follows a rule instead: XLA on
-GPUs, not on CPUs (TPUs always compile with XLA).
+differently and must all run the same collectives, and under op determinism, where reruns
+must match bit for bit, "auto" follows a rule instead: XLA on GPUs, not on CPUs (TPUs
+always compile with XLA).
 """
 
 import json
@@ -148,10 +149,12 @@ def resolve(steps, element_spec, jit_compile, per_replica=False):
         use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
     elif jit_compile is True:
         use, why = True, "on"
-    elif distribute.num_workers(steps.strategy) > 1:
-        # Timings differ between hosts, and all must run the same collectives: a rule instead.
+    elif distribute.num_workers(steps.strategy) > 1 or _deterministic():
+        # Timings differ between hosts, which must all run the same collectives, and between
+        # reruns, which must match bit for bit under op determinism: a rule instead.
         use = bool(tf.config.list_physical_devices("GPU"))
-        why = f"auto on several workers: {'GPUs: on' if use else 'CPUs: off'} (not measured, so that all agree)"
+        who = "on several workers" if distribute.num_workers(steps.strategy) > 1 else "with deterministic ops"
+        why = f"auto {who}: {'GPUs: on' if use else 'CPUs: off'} (a rule, not a timing, so that all runs agree)"
     else:
         if key not in _VERDICTS:
             _VERDICTS[key] = timing.decide(measure(steps, batches), baseline=OFF)
@@ -159,6 +162,12 @@ def resolve(steps, element_spec, jit_compile, per_replica=False):
         use, why = verdict.choice == ON, f"auto: {verdict.reason}"
     steps.compile(use)
     return use, why
+
+
+def _deterministic():
+    from tensorflow.python.framework import config as tf_config  # Not in TF's public API.
+
+    return tf_config.is_op_determinism_enabled()
 
 
 def _fingerprint(steps, batches):
