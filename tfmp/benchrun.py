@@ -63,13 +63,11 @@ class FitRunner:
 
 
 def _model_and_data(name, batch_size):
-    """(build, dataset, kind, input rate) for a bundled or a real-size model."""
+    """(build, dataset) for a bundled model (its shipped data) or a real-size one (synthetic)."""
     if name in realsize.MODELS:
-        kind = "image" if name == "resnet50" else "text"
-        return realsize.MODELS[name], realsize.synthetic(name, batch_size), kind, None
-    kind = models.MODELS[name].kind
-    ds = benchlib.bench_data(kind, batch_size)
-    return functools.partial(benchlib.build_model, name, ds.source, ds), ds.train, kind, None
+        return realsize.MODELS[name], realsize.synthetic(name, batch_size)
+    ds = benchlib.bench_data(models.MODELS[name].kind, batch_size)
+    return functools.partial(benchlib.build_model, name, ds.source, ds), ds.train
 
 
 def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, peaks, jit_compile="auto"):
@@ -80,7 +78,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
     and every round runs: no policy is cut off. Returns one row per policy.
     """
     keras.backend.clear_session()
-    build, dataset, kind, _ = _model_and_data(name, batch_size)
+    build, dataset = _model_and_data(name, batch_size)
     rate_in = benchlib.input_rate(dataset, batch_size) if name not in realsize.MODELS else None
     runners = {(p, t): FitRunner(t, p, build, dataset, batch_size, jit_compile) for p in policies for t in TRAINERS}
     turn = round_seconds / len(runners)

@@ -114,11 +114,10 @@ def fit(
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
-    kept = xla.remembered(checkpoint_dir) if jit_compile == "auto" and checkpoint.latest(checkpoint_dir) else None
-    use, why = xla.resolve(
-        steps, train_input.element_spec, kept[0] if kept else jit_compile, per_replica=train_input.fn is not None
+    resuming = checkpoint.latest(checkpoint_dir) is not None
+    use, why, chosen_now = xla.resolve_run(
+        steps, train_input.element_spec, jit_compile, checkpoint_dir, resuming, per_replica=train_input.fn is not None
     )
-    why = kept[1] if kept else why
     if verbose != 0 and jit_compile == "auto":
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
     optimizer = steps.optimizer
@@ -131,7 +130,7 @@ def fit(
         if checkpoint_dir:
             if chief:  # One run at a time in a checkpoint directory.
                 cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
-                if jit_compile == "auto" and not kept:
+                if chosen_now:
                     xla.remember(checkpoint_dir, use, why)
             target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
             saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)

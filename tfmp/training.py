@@ -218,14 +218,15 @@ def _train_and_evaluate(config, out, cleanup):
     compiled = loop.prepare(
         model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
     )
-    jit_compile = JIT_COMPILE[config.jit_compile]
-    kept = xla.remembered(checkpoint_dir) if jit_compile == "auto" and latest else None
-    jit_compile, jit_reason = xla.resolve(
-        compiled, train_input.element_spec, kept[0] if kept else jit_compile, per_replica=True
+    jit_compile, jit_reason, chosen_now = xla.resolve_run(
+        compiled,
+        train_input.element_spec,
+        JIT_COMPILE[config.jit_compile],
+        checkpoint_dir,
+        latest is not None,
+        per_replica=True,
     )
-    if kept:
-        jit_reason = f"auto, {kept[1]}"
-    elif config.jit_compile == "auto" and chief and checkpoint_dir:
+    if chosen_now and chief:  # This process holds --model_dir's lock.
         xla.remember(checkpoint_dir, jit_compile, jit_reason)
     print(
         report.summary(config, decision, strategy, plan, ds.source, model, steps, start, (jit_compile, jit_reason)),

@@ -197,7 +197,22 @@ def remembered(directory):
         return None
     with open(path) as f:
         saved = json.load(f)
-    return bool(saved["jit_compile"]), f"kept from the run being resumed ({saved['reason']})"
+    return bool(saved["jit_compile"]), f"auto, kept from the run being resumed ({saved['reason']})"
+
+
+def resolve_run(steps, element_spec, jit_compile, directory, resuming, per_replica=False):
+    """`resolve` for a run checkpointed in `directory`: a resumed run keeps what "auto" chose
+    when it started, so that it goes on as an unbroken run would.
+
+    Returns:
+        (XLA on?, why, whether it is a choice "auto" made now: `remember` it once the run
+        owns `directory`).
+    """
+    kept = remembered(directory) if jit_compile == "auto" and resuming else None
+    use, why = resolve(steps, element_spec, kept[0] if kept else jit_compile, per_replica)
+    if kept:
+        return kept[0], kept[1], False
+    return use, why, jit_compile == "auto" and directory is not None
 
 
 def remember(directory, use, why):
