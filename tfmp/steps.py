@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, gradients
+from tfmp import distribute, fused, gradients
 from tfmp.errors import first_line
 from tfmp.loss_scale import LossScaleOptimizer
 
@@ -28,16 +28,20 @@ def _as_given(grads_and_vars):
 
 
 @contextlib.contextmanager
-def reduced_gradients(optimizer):
-    """While active, `optimizer` applies gradients that the caller has already all-reduced.
+def reduced_gradients(optimizer, fused_updates=True):
+    """While active, `optimizer` applies gradients that the caller has already all-reduced,
+    with fused update kernels where `tfmp.fused` has them (if `fused_updates`).
 
     Keras optimizers all-reduce inside `apply` (and clip before that, per replica); these
-    steps reduce and clip first. The override lives on the instance only while a step of
-    ours traces or runs, and is removed afterwards, so the same optimizer used later with
+    steps reduce and clip first. The overrides live on the instance only while a step of
+    ours traces or runs, and are removed afterwards, so the same optimizer used later with
     `model.fit` sums its gradients again.
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     inner._all_reduce_sum_gradients = _as_given  # noqa: SLF001 - see docstring.
+    update = fused.update_step(inner) if fused_updates else None
+    if update is not None:
+        inner.update_step = update
     scaled = isinstance(optimizer, LossScaleOptimizer)
     if scaled:
         optimizer.gradients_reduced = True
@@ -45,6 +49,8 @@ def reduced_gradients(optimizer):
         yield
     finally:
         del inner._all_reduce_sum_gradients
+        if update is not None:
+            del inner.update_step
         if scaled:
             optimizer.gradients_reduced = False
 
@@ -78,6 +84,8 @@ class Steps:
         sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
             accumulation, all-reduce, the overflow check and clipping (not on TPUs,
             whose all-reduce takes dense tensors); False densifies them first.
+        fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam,
+            AdamW, SGD); False keeps Keras' element-wise update.
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class Steps:
         steps_per_execution=1,
         jit_compile=False,
         sparse=True,
+        fused_updates=True,
     ):
         self.model = model
         self.optimizer = model.optimizer
@@ -103,6 +112,7 @@ class Steps:
             with strategy.scope():
                 self.optimizer.build(self.variables)
         self.sparse = sparse and distribute.strategy_name(strategy) != "tpu"
+        self.fused_updates = fused_updates
         self._ran = False
         self.compile(jit_compile)
 
@@ -147,7 +157,7 @@ class Steps:
             `loss_scale` (-1 without loss scaling), and the model's metric results
             (`loss`, ...: running means over the epoch).
         """
-        with reduced_gradients(self.optimizer):
+        with reduced_gradients(self.optimizer, self.fused_updates):
             fn = self._many if updates > 1 else self._one
             out = self._first_call(fn, iterator)
             if out is _FAILED:  # XLA failed to compile: the same update without it.

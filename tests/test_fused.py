@@ -1,0 +1,84 @@
+"""Fused optimizer updates: the same weights and slots as Keras' element-wise update, on one
+and two replicas, and Keras' own update wherever the fused kernels do not apply."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_fit import _seeded
+
+import tfmp
+from tfmp import fused, loop
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(1e-2),
+    "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.05),
+    "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "amsgrad": lambda: keras.optimizers.Adam(1e-2, amsgrad=True),  # Not fused: Keras' update.
+}
+KERNELS = {"ResourceApplyAdam", "ResourceApplyKerasMomentum", "ResourceApplyGradientDescent"}
+
+
+def _model(optimizer, strategy=None):
+    @_seeded
+    def build():
+        tokens = keras.Input((4,), dtype="int32")
+        hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(tokens))  # Sparse gradient.
+        hidden = keras.layers.Dense(16, activation="relu")(hidden)
+        model = keras.Model(tokens, keras.layers.Dense(3, activation="softmax")(hidden))
+        model.compile(OPTIMIZERS[optimizer](), "sparse_categorical_crossentropy")
+        return model
+
+    return build(strategy)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (128, 4)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, x[:, 0] % 3)).batch(16)
+
+
+def _op_types(model):
+    """The op types of the model's compiled train step, nested functions included."""
+    graph = loop._STEPS[model][2]._one._list_all_concrete_functions()[0].graph  # noqa: SLF001
+    definition = graph.as_graph_def()
+    ops = {node.op for node in definition.node}
+    for function in definition.library.function:
+        ops |= {node.op for node in function.node_def}
+    return ops
+
+
+def _state(model):
+    return [v.numpy() for v in model.weights] + [v.numpy() for v in model.optimizer.variables]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_same_weights_and_slots_as_keras_update(mirrored, monkeypatch, optimizer, replicas):
+    strategy = mirrored if replicas == 2 else None
+    model = _model(optimizer, strategy)
+    tfmp.fit(model, _data(), epochs=2, verbose=0)
+    assert "update_step" not in vars(model.optimizer)  # The override is gone after the step.
+    expected_kernels = set() if optimizer == "amsgrad" else KERNELS & _op_types(model)
+    assert (optimizer == "amsgrad") == (not expected_kernels)
+
+    monkeypatch.setattr(fused, "update_step", lambda optimizer: None)  # Keras' element-wise update.
+    reference = _model(optimizer, strategy)
+    tfmp.fit(reference, _data(), epochs=2, verbose=0)
+    assert not KERNELS & _op_types(reference)
+    for a, b in zip(_state(model), _state(reference), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 16
+
+
+def test_only_keras_own_update_formulas_are_replaced():
+    class Custom(keras.optimizers.Adam):
+        def update_step(self, gradient, variable, learning_rate):
+            super().update_step(gradient, variable, learning_rate)
+
+    assert fused.update_step(Custom()) is None
+    assert fused.update_step(keras.optimizers.RMSprop()) is None
+    assert fused.update_step(keras.optimizers.Adam(amsgrad=True)) is None
+    assert fused.update_step(keras.optimizers.AdamW()) is not None

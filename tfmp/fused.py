@@ -1,0 +1,78 @@
+"""Fused optimizer updates: one kernel per variable in place of Keras' chain of element-wise ops.
+
+Keras 3's Adam updates each variable with about ten element-wise ops, every one a pass
+over the variable's memory (its SGD with momentum, four). TensorFlow's training kernels
+(`ResourceApplyAdam`, `ResourceApplyKerasMomentum`, `ResourceApplyGradientDescent`)
+compute the same formulas, on the same slot variables, in one pass: on a 2-core CPU a
+BERT-base Adam update takes 101 ms fused against 262 ms (see README, Performance).
+
+tfmp's steps use them for dense float32 gradients of `keras.optimizers.Adam` (and AdamW,
+whose weight decay Keras applies before the update) and `keras.optimizers.SGD`. Anything
+else keeps Keras' own update: other optimizers, subclasses that change the update,
+amsgrad, sparse (`IndexedSlices`) gradients, variables that are not float32. The
+optimizer's variables, checkpoints and results are unchanged.
+"""
+
+import keras
+import tensorflow as tf
+
+
+def _float(value):
+    return tf.cast(value, tf.float32)
+
+
+def _adam(optimizer, gradient, variable, learning_rate):
+    # Keras: alpha = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
+    # v += (g^2 - v)(1 - b2); var -= alpha * m / (sqrt(v) + epsilon), t = iterations + 1.
+    index = optimizer._get_variable_index(variable)  # noqa: SLF001 - how Adam finds its slots.
+    step = _float(optimizer.iterations + 1)
+    beta_1, beta_2 = _float(optimizer.beta_1), _float(optimizer.beta_2)
+    tf.raw_ops.ResourceApplyAdam(
+        var=variable.handle,
+        m=optimizer._momentums[index].handle,  # noqa: SLF001
+        v=optimizer._velocities[index].handle,  # noqa: SLF001
+        beta1_power=tf.pow(beta_1, step),
+        beta2_power=tf.pow(beta_2, step),
+        lr=_float(learning_rate),
+        beta1=beta_1,
+        beta2=beta_2,
+        epsilon=_float(optimizer.epsilon),
+        grad=_float(gradient),
+    )
+
+
+def _sgd(optimizer, gradient, variable, learning_rate):
+    # Keras: m = m * momentum - g * lr; var += m (nesterov: var += m * momentum - g * lr);
+    # without momentum var -= g * lr.
+    if optimizer.momentum == 0:
+        lr, grad = _float(learning_rate), _float(gradient)
+        tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=lr, delta=grad)
+        return
+    tf.raw_ops.ResourceApplyKerasMomentum(
+        var=variable.handle,
+        accum=optimizer.momentums[optimizer._get_variable_index(variable)].handle,  # noqa: SLF001
+        lr=_float(learning_rate),
+        grad=_float(gradient),
+        momentum=_float(optimizer.momentum),
+        use_nesterov=bool(optimizer.nesterov),
+    )
+
+
+def update_step(optimizer):
+    """A fused replacement for `optimizer.update_step(gradient, variable, learning_rate)`,
+    falling back to Keras' own for what it does not cover; None for other optimizers."""
+    kind = type(optimizer)
+    if kind.update_step is keras.optimizers.Adam.update_step and not optimizer.amsgrad:
+        fused = _adam
+    elif kind.update_step is keras.optimizers.SGD.update_step:
+        fused = _sgd
+    else:
+        return None
+    keras_update = optimizer.update_step
+
+    def step(gradient, variable, learning_rate):
+        if isinstance(gradient, tf.IndexedSlices) or tf.as_dtype(variable.dtype) != tf.float32:
+            return keras_update(gradient, variable, learning_rate)
+        return fused(optimizer, gradient, variable, learning_rate)
+
+    return step
