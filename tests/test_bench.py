@@ -29,6 +29,7 @@ def test_bench_writes_figures(tmp_path):
             "--autotune_runs=1",
             "--trial_seconds=2",
             "--sparse_vocab=500",
+            "--overhead_rounds=2",
             f"--output_dir={tmp_path}",
         ],
         cwd=REPO,
@@ -55,9 +56,11 @@ def test_bench_writes_figures(tmp_path):
     assert choice["picks"][0]["policy"] in rows and 0 < choice["picks"][0]["vs_fastest"] <= 1
     (sparse,) = bench["sparse"]
     assert sparse["vocab_size"] == 500 and sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0
+    assert bench["overhead"]["rounds"] == 2 and bench["overhead"]["tfmp_ms"] > 0 and bench["overhead"]["keras_ms"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 5000
     assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
     assert "tfmp/Keras" in result.stdout and "autotune picked" in result.stdout and "sparse" in result.stdout
+    assert "training loop's cost per step" in result.stdout
 
 
 def test_every_policy_gets_every_round_even_past_its_share_of_time():

@@ -62,7 +62,7 @@ def test_too_few_rounds_keep_baseline():
     assert timing.decide({"float32": [100, 100], "bf16": [200, 200]}, "float32").choice == "float32"
 
 
-def test_alternate_takes_turns_and_keeps_to_the_budget():
+def test_alternate_takes_turns_in_alternating_order_and_keeps_to_the_budget():
     clock = itertools.count(0.0, 1.0)  # Each call of the clock is one second later.
     order = []
 
@@ -75,10 +75,17 @@ def test_alternate_takes_turns_and_keeps_to_the_budget():
         return run
 
     rates = timing.alternate({"a": runner("a"), "b": runner("b")}, 10.0, lambda: next(clock))
-    assert order[:4] == ["a", "b", "a", "b"]
+    assert order[:6] == ["a", "b", "b", "a", "a", "b"]  # No runner always goes first.
     assert len(rates["a"]) == len(rates["b"]) >= timing.MIN_ROUNDS
     # Rounds take about 3 ticks of the clock; the last one must not overrun the budget by much.
     assert len(rates["a"]) <= 4
+
+
+def test_median_ratio_and_its_error():
+    ratio, error = timing.median_ratio([2.0, 2.2, 1.8, 2.0], [1.0, 1.0, 1.0, 1.0])
+    assert ratio == pytest.approx(2.0, rel=0.01) and 0 < error < 0.1
+    assert timing.median_ratio([3.0] * 5, [1.0] * 5) == (pytest.approx(3.0), 0.0)
+    assert timing.median_ratio([], []) == (None, None)
 
 
 def test_alternate_stops_after_one_round_that_overruns():

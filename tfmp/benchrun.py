@@ -89,8 +89,8 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
         per_step = statistics.median(runner.step_times) if runner.step_times else time.perf_counter() - start
         steps[key] = int(np.clip(round(turn / per_step), 1, max_steps))
         runner.step_times = []
-    for _ in range(rounds):
-        for key, runner in runners.items():
+    for round_index in range(rounds):
+        for key, runner in timing.in_turn(runners, round_index):
             runner.rates.append(runner.run(steps[key]))
     base = runners.get(("float32", "tfmp"))
     rows = []
@@ -98,7 +98,8 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
         ours, theirs = runners[(policy, "tfmp")], runners[(policy, "keras")]
         flops = benchlib.flops_per_example(ours.model)
         rate = statistics.median(ours.rates)
-        speedup = _median_ratio(ours.rates, base.rates) if base else None
+        speedup = timing.median_ratio(ours.rates, base.rates)[0] if base else None
+        versus_keras, keras_error = timing.median_ratio(ours.rates, theirs.rates)
         possible = {
             op: peak[policy]["flops"] / peak["float32"]["flops"] if "float32" in peak else None
             for op, peak in peaks.items()
@@ -116,7 +117,8 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
                 "share_of_possible_gain": (speedup - 1) / (bound - 1) if speedup and bound and bound > 1.1 else None,
                 "keras_fit_examples_per_second": statistics.median(theirs.rates),
                 "keras_fit_rounds": theirs.rates,
-                "tfmp_vs_keras_fit": _median_ratio(ours.rates, theirs.rates),
+                "tfmp_vs_keras_fit": versus_keras,
+                "tfmp_vs_keras_fit_error": keras_error,  # Standard error of that median, a fraction.
                 "jit_compile": {"tfmp": ours.jit_used, "keras": theirs.jit_used},
                 "step_ms_median": 1e3 * statistics.median(ours.step_times),
                 "steps_timed": len(ours.step_times),
@@ -130,10 +132,12 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
     return rows
 
 
-def _median_ratio(a, b):
-    """The median of per-round ratios a[i] / b[i] (rounds that ran back to back)."""
-    ratios = [x / y for x, y in zip(a, b, strict=True) if y > 0]
-    return statistics.median(ratios) if ratios else None
+def _versus_keras(row):
+    """tfmp / Keras fit and the standard error of that median, e.g. "1.03 ±0.01"."""
+    ratio, error = row["tfmp_vs_keras_fit"], row.get("tfmp_vs_keras_fit_error")
+    if ratio is None:
+        return "-"
+    return f"{ratio:.2f}" if error is None else f"{ratio:.2f} ±{ratio * error:.2f}"
 
 
 def table(rows):
@@ -159,7 +163,7 @@ def table(rows):
                 f"{possible:.2f}x {kind}" if possible else "-",
                 fmt(r["share_of_possible_gain"] and 100 * r["share_of_possible_gain"], ".0f", "%"),
                 _rate(r["keras_fit_examples_per_second"]),
-                fmt(r["tfmp_vs_keras_fit"], ".2f"),
+                _versus_keras(r),
                 "/".join("on" if r["jit_compile"][t] else "off" for t in TRAINERS),
                 fmt(100 * r["mfu"], ".0f", "%"),
                 f"{r['peak_memory_mb']:,.0f}",
@@ -207,6 +211,31 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
     return choices
 
 
+def loop_overhead(rounds, steps_per_turn=100):
+    """Milliseconds per step of tfmp.fit and of Keras fit on a model whose step costs almost
+    nothing (a 16-32-10 MLP, batch 32): what each training loop adds to every step, the
+    only difference left where both run the same kernels. Medians over alternating rounds."""
+    keras.backend.clear_session()
+    rng = np.random.default_rng(0)
+    x = rng.random((1024, 16), dtype=np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
+
+    def build():
+        layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]
+        return keras.Sequential([keras.Input((16,)), *layers])
+
+    runners = {t: FitRunner(t, "float32", build, dataset, 32, jit_compile=False) for t in TRAINERS}
+    for runner in runners.values():
+        runner.run(5)  # Trace and warm up.
+    times = {t: [] for t in TRAINERS}
+    for round_index in range(rounds):
+        for trainer, runner in timing.in_turn(runners, round_index):
+            runner.step_times = []
+            runner.run(steps_per_turn)
+            times[trainer].append(1e3 * statistics.median(runner.step_times))
+    return {"rounds": rounds, **{f"{t}_ms": statistics.median(v) for t, v in times.items()}}
+
+
 def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
     """Milliseconds per training step of the bundled transformer under `strategy`, with its
     embedding gradient densified (as before) and kept sparse, in alternating rounds, per
@@ -248,7 +277,7 @@ def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, roun
                 "replicas": strategy.num_replicas_in_sync,
                 "dense_ms": 1e3 / statistics.median(rates["dense"]),
                 "sparse_ms": 1e3 / statistics.median(rates["sparse"]),
-                "speedup": _median_ratio(rates["sparse"], rates["dense"]),
+                "speedup": timing.median_ratio(rates["sparse"], rates["dense"])[0],
             }
         )
     return results
@@ -302,7 +331,7 @@ def markdown(result):
             f"| {r['model']} | {r['policy']} | {_rate(r['examples_per_second'])} | "
             f"{r['speedup_vs_float32']:.2f}x | {f'{possible:.2f}x {kind}' if possible else '-'} | "
             f"{f'{100 * share:.0f}%' if share is not None else '-'} | {_rate(r['keras_fit_examples_per_second'])} | "
-            f"{r['tfmp_vs_keras_fit']:.2f} | "
+            f"{_versus_keras(r)} | "
             f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
             f"{r['peak_memory_mb']:,.0f} |"
         )
@@ -315,6 +344,14 @@ def markdown(result):
         for c in result["choices"]:
             picks = ", ".join(f"{p['policy']} ({100 * p['vs_fastest']:.1f}%, {p['seconds']:.0f} s)" for p in c["picks"])
             out.append(f"| {c['model']} | {c['fastest']} | {picks} |")
+    if result.get("overhead"):
+        o = result["overhead"]
+        out += [
+            "",
+            "| training loop's cost per step (MLP, batch 32) | tfmp.fit | Keras fit |",
+            "|---|---|---|",
+            f"| median of {o['rounds']} alternating rounds | {o['tfmp_ms']:.2f} ms | {o['keras_ms']:.2f} ms |",
+        ]
     if result.get("sparse"):
         out += [
             "",

@@ -85,7 +85,7 @@ class Steps:
             accumulation, all-reduce, the overflow check and clipping (not on TPUs,
             whose all-reduce takes dense tensors); False densifies them first.
         fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam,
-            AdamW, SGD); False keeps Keras' element-wise update.
+            AdamW, SGD; not on TPUs); False keeps Keras' element-wise update.
     """
 
     def __init__(
@@ -112,7 +112,8 @@ class Steps:
             with strategy.scope():
                 self.optimizer.build(self.variables)
         self.sparse = sparse and distribute.strategy_name(strategy) != "tpu"
-        self.fused_updates = fused_updates
+        # TPU variables update through their own replicated assign ops: Keras' update there.
+        self.fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._ran = False
         self.compile(jit_compile)
 

@@ -28,6 +28,23 @@ class Verdict:
     rounds: int
 
 
+def standard_error(logs):
+    """The standard error of the median of `logs` (per-round log-ratios): about 1.25 times a
+    robust standard deviation (1.4826 median absolute deviations) over sqrt(n)."""
+    median = statistics.median(logs)
+    spread = 1.4826 * statistics.median(abs(x - median) for x in logs)
+    return 1.25 * spread / math.sqrt(len(logs))
+
+
+def median_ratio(a, b):
+    """(median of the per-round ratios a[i] / b[i] (rounds that ran back to back), its
+    standard error as a fraction); (None, None) with no rounds to compare."""
+    logs = [math.log(x / y) for x, y in zip(a, b, strict=True) if x > 0 and y > 0]
+    if not logs:
+        return None, None
+    return math.exp(statistics.median(logs)), standard_error(logs)
+
+
 def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
     """Picks the baseline or the candidate clearly faster than it.
 
@@ -54,9 +71,7 @@ def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
             ratios[name], noise[name] = (math.exp(statistics.median(logs)) if logs else 0.0), math.inf
             continue
         median = statistics.median(logs)
-        spread = 1.4826 * statistics.median(abs(x - median) for x in logs)  # Robust standard deviation.
-        # The median's standard error is about 1.25 sigma / sqrt(n).
-        threshold = max(math.log1p(min_gain), z * 1.25 * spread / math.sqrt(len(logs)))
+        threshold = max(math.log1p(min_gain), z * standard_error(logs))
         wins = sum(x > 0 for x in logs)
         ratios[name], noise[name] = math.exp(median), math.exp(threshold)
         if median > threshold and wins * 3 >= 2 * len(logs):
@@ -87,8 +102,16 @@ def settled(rates, baseline, min_gain=MIN_GAIN, z=Z):
     return all(math.isinf(verdict.noise[n]) or verdict.ratios[n] * verdict.noise[n] < 1 + min_gain for n in others)
 
 
+def in_turn(runners, round_index):
+    """(name, runner) pairs in this round's order: as given in even rounds, reversed in odd
+    ones, so that no runner always goes first or always follows the same other (a turn
+    right after another model's can run a few percent faster or slower)."""
+    order = list(runners.items())
+    return order if round_index % 2 == 0 else order[::-1]
+
+
 def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12, baseline=None):
-    """Runs `runners` ({name: fn() -> throughput}) in turns until the budget is spent.
+    """Runs `runners` ({name: fn() -> throughput}) in turns (`in_turn`) until the budget is spent.
 
     At least `min_rounds` rounds run (unless one round alone overruns the budget, then
     what was measured is returned); rounds stop at `max_rounds`, when another would
@@ -102,7 +125,7 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
     rates = {name: [] for name in runners}
     start = clock()
     for round_index in range(max_rounds):
-        for name, run in runners.items():
+        for name, run in in_turn(runners, round_index):
             rates[name].append(run())
         spent = clock() - start
         per_round = spent / (round_index + 1)
