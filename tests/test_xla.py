@@ -211,7 +211,9 @@ def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy):
     results = {}
     for sparse in (True, False):
         model = embedding_model(strategy)
-        compiled = steps.Steps(model, strategy, grad_accum_steps=2, clipnorm=0.05, sparse=sparse)
+        # One update kernel for both (a dense gradient would take the fused one): only the
+        # sparse handling differs. Fused against Keras' update: tests/test_fused.py.
+        compiled = steps.Steps(model, strategy, grad_accum_steps=2, clipnorm=0.05, sparse=sparse, fused_updates=False)
         iterator = iter(data)
         for _ in range(3):
             out = compiled.train(iterator)

@@ -3,14 +3,16 @@
 Keras 3's Adam updates each variable with about ten element-wise ops, every one a pass
 over the variable's memory (its SGD with momentum, four). TensorFlow's training kernels
 (`ResourceApplyAdam`, `ResourceApplyKerasMomentum`, `ResourceApplyGradientDescent`)
-compute the same formulas, on the same slot variables, in one pass: on a 2-core CPU a
+compute the same formulas, on the same slot variables, in one pass: on a 2-core AMD EPYC a
 BERT-base Adam update takes 101 ms fused against 262 ms (see README, Performance).
 
-tfmp's steps use them for dense float32 gradients of `keras.optimizers.Adam` (and AdamW,
-whose weight decay Keras applies before the update) and `keras.optimizers.SGD`. Anything
-else keeps Keras' own update: other optimizers, subclasses that change the update,
-amsgrad, sparse (`IndexedSlices`) gradients, variables that are not float32. The
-optimizer's variables, checkpoints and results are unchanged.
+tfmp's steps use them for the float32 variables of `keras.optimizers.Adam` (and AdamW,
+whose weight decay Keras applies before the update) and `keras.optimizers.SGD`; an
+embedding's sparse gradient is made dense first, as Keras' own update does, except for SGD
+without momentum, whose update touches only the rows looked up. Anything else keeps
+Keras' own update: other optimizers, subclasses that change the update, amsgrad,
+variables that are not float32. The optimizer's variables, checkpoints and results are
+unchanged.
 """
 
 import keras
@@ -71,8 +73,14 @@ def update_step(optimizer):
     keras_update = optimizer.update_step
 
     def step(gradient, variable, learning_rate):
-        if isinstance(gradient, tf.IndexedSlices) or tf.as_dtype(variable.dtype) != tf.float32:
+        if tf.as_dtype(variable.dtype) != tf.float32:
             return keras_update(gradient, variable, learning_rate)
+        if isinstance(gradient, tf.IndexedSlices):
+            if fused is _sgd and optimizer.momentum == 0:
+                return keras_update(gradient, variable, learning_rate)  # A sparse update: rows looked up only.
+            # Adam's moments and momentum decay on every row: Keras' update makes the
+            # gradient dense for them anyway (its first subtraction does).
+            gradient = tf.convert_to_tensor(gradient)
         return fused(optimizer, gradient, variable, learning_rate)
 
     return step
