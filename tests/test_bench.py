@@ -30,6 +30,7 @@ def test_bench_writes_figures(tmp_path):
             "--trial_seconds=2",
             "--sparse_vocab=500",
             "--overhead_rounds=2",
+            "--update_models=",
             f"--output_dir={tmp_path}",
         ],
         cwd=REPO,
@@ -70,3 +71,9 @@ def test_every_policy_gets_every_round_even_past_its_share_of_time():
     assert len(row["rounds"]) == len(row["keras_fit_rounds"]) == 2
     assert row["steps_timed"] == 2 and min(row["rounds"] + row["keras_fit_rounds"]) > 0
     assert "cnn" in benchrun.table([row])
+
+
+def test_update_times_keras_against_fused():
+    update = benchrun.update_times("resnet50", rounds=2, calls_per_turn=1)
+    assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
+    assert "| resnet50 | 25.6M |" in benchrun.markdown({"rows": [], "updates": [update]})

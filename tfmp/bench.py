@@ -44,6 +44,7 @@ flags.DEFINE_integer(
     "Replicas for the sparse check: above 1, a MirroredStrategy over that many GPUs, or over logical CPU devices "
     "on a CPU (where the all-reduce is what a dense embedding gradient costs).",
 )
+flags.DEFINE_list("update_models", ["resnet50", "bert_base"], "Real-size models whose Adam update is timed.")
 flags.DEFINE_integer("overhead_rounds", 10, "Rounds timing each training loop's own cost per step (0: skip).")
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
 
@@ -105,12 +106,18 @@ def main(argv):
         if FLAGS.autotune_runs
         else []
     )
+    updates = [benchrun.update_times(name) for name in FLAGS.update_models]
     overhead = benchrun.loop_overhead(FLAGS.overhead_rounds) if FLAGS.overhead_rounds else None
     sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy) if FLAGS.sparse_vocab else []
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
     if rows:
         print(benchrun.table(rows))
     _print_choices(choices)
+    for u in updates:
+        print(
+            f"Adam update, {u['model']} ({u['parameters'] / 1e6:.1f}M float32 weights): Keras {u['keras_ms']:.1f} ms, "
+            f"tfmp fused {u['fused_ms']:.1f} ms"
+        )
     if overhead:
         print(
             f"training loop's cost per step (MLP, batch 32): tfmp.fit {overhead['tfmp_ms']:.2f} ms, "
@@ -133,6 +140,7 @@ def main(argv):
         "choices": choices,
         "sparse": sparse,
         "overhead": overhead,
+        "updates": updates,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import models
 from models import realsize
-from tfmp import autotune, benchlib, callbacks, loop, loss_scale, steps, timing
+from tfmp import autotune, benchlib, callbacks, fused, loop, loss_scale, steps, timing
 
 TRAINERS = ("tfmp", "keras")
 CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
@@ -236,6 +236,37 @@ def loop_overhead(rounds, steps_per_turn=100):
     return {"rounds": rounds, **{f"{t}_ms": statistics.median(v) for t, v in times.items()}}
 
 
+def update_times(name, rounds=5, calls_per_turn=3):
+    """Milliseconds per Adam update of a real-size model's weights (float32 gradients),
+    Keras' element-wise update against tfmp's fused kernels, in alternating rounds."""
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy("float32")
+    variables = realsize.MODELS[name]().trainable_variables
+    grads = [tf.random.normal(v.shape, stddev=1e-3) for v in variables]
+    runs = {}
+    for kind in ("keras", "fused"):
+        optimizer = keras.optimizers.Adam(1e-4)
+        optimizer.build(variables)
+        if kind == "fused":
+            optimizer.update_step = fused.update_step(optimizer)
+        apply = tf.function(functools.partial(optimizer.apply, grads, variables))
+        apply()  # Trace.
+
+        def turn(apply=apply):
+            start = time.perf_counter()
+            for _ in range(calls_per_turn):
+                apply()
+            return calls_per_turn / (time.perf_counter() - start)
+
+        runs[kind] = turn
+    rates = timing.alternate(runs, math.inf, time.perf_counter, rounds, rounds)
+    return {
+        "model": name,
+        "parameters": sum(int(np.prod(v.shape)) for v in variables),
+        **{f"{kind}_ms": 1e3 / statistics.median(rates[kind]) for kind in runs},
+    }
+
+
 def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
     """Milliseconds per training step of the bundled transformer under `strategy`, with its
     embedding gradient densified (as before) and kept sparse, in alternating rounds, per
@@ -352,6 +383,14 @@ def markdown(result):
             "|---|---|---|",
             f"| median of {o['rounds']} alternating rounds | {o['tfmp_ms']:.2f} ms | {o['keras_ms']:.2f} ms |",
         ]
+    if result.get("updates"):
+        out += ["", "| Adam update, float32 | parameters | Keras | tfmp (fused) | speedup |", "|---|---|---|---|---|"]
+        for u in result["updates"]:
+            speedup = u["keras_ms"] / u["fused_ms"]
+            out.append(
+                f"| {u['model']} | {u['parameters'] / 1e6:.1f}M | {u['keras_ms']:.1f} ms | {u['fused_ms']:.1f} ms | "
+                f"{speedup:.2f}x |"
+            )
     if result.get("sparse"):
         out += [
             "",
