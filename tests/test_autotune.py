@@ -126,9 +126,9 @@ def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_pat
 
     monkeypatch.setattr(FakeCandidate, "RATES", rates)
     monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
-    clock = itertools.count(0.0, 2.5)  # Each round takes 2.5 s: four or five rounds in the budget.
+    clock = itertools.count(0.0, 2.5)  # Each round takes 2.5 s: five or six rounds in the budget.
     decision = autotune.autotune(
-        "k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=12, clock=lambda: next(clock)
+        "k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=15, clock=lambda: next(clock)
     )
     assert decision.policy == chosen
     assert "autotune, measured now: " + chosen in decision.reason.splitlines()[0]

@@ -60,6 +60,16 @@ def test_failed_or_cut_off_candidate_never_wins():
 
 def test_too_few_rounds_keep_baseline():
     assert timing.decide({"float32": [100, 100], "bf16": [200, 200]}, "float32").choice == "float32"
+    verdict = timing.decide({"float32": [100] * 4, "bf16": [200] * 4}, "float32")
+    assert verdict.choice == "float32" and "too few rounds to switch" in verdict.reason
+
+
+def test_three_close_rounds_are_not_a_measure_of_noise():
+    # Three rounds that happen to agree (1.04, 1.05, 1.13): the robust spread of three sees
+    # only the closest pair; the classic one sees the third, and five rounds are needed.
+    rates = {"float32": [100] * 3, "bf16": [104, 105, 113]}
+    assert timing.standard_error([0.039, 0.049, 0.122]) > 0.03
+    assert timing.decide(rates, "float32").choice == "float32"
 
 
 def test_alternate_takes_turns_in_alternating_order_and_keeps_to_the_budget():
@@ -100,7 +110,7 @@ def test_a_clear_case_stops_early_a_close_one_uses_the_budget():
 
     clock = itertools.count(0.0, 1.0)
     clear = timing.alternate(runners(1.5), 100.0, lambda: next(clock), baseline="float32")
-    assert len(clear["bf16"]) == timing.MIN_ROUNDS  # Won beyond doubt: no more rounds.
+    assert len(clear["bf16"]) == timing.MIN_ROUNDS_TO_SWITCH  # Won beyond doubt: no more rounds.
     slower = timing.alternate(runners(0.7), 100.0, lambda: next(clock), baseline="float32")
     assert len(slower["bf16"]) == timing.MIN_ROUNDS  # Clearly slower: no more rounds either.
     noisy = iter([100.0, 104.0, 97.0, 103.0] * 10)

@@ -91,8 +91,8 @@ def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirr
 def test_auto_follows_the_measurement(monkeypatch):
     verdicts = iter(
         [
-            {xla.OFF: [100.0] * 4, xla.ON: [140.0, 139.0, 141.0, 140.0]},
-            {xla.OFF: [100.0] * 4, xla.ON: [97.0, 99.0, 96.0, 98.0]},
+            {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},
+            {xla.OFF: [100.0] * 5, xla.ON: [97.0, 99.0, 96.0, 98.0, 97.0]},
         ]
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(verdicts))
@@ -108,8 +108,8 @@ def test_auto_follows_the_measurement(monkeypatch):
 def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_path):
     timings = iter(
         [
-            {xla.OFF: [100.0] * 4, xla.ON: [140.0, 139.0, 141.0, 140.0]},  # The first run: XLA wins.
-            {xla.OFF: [100.0] * 4, xla.ON: [60.0] * 4},  # Would lose now; the resumed run keeps it.
+            {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},  # The first run: XLA wins.
+            {xla.OFF: [100.0] * 5, xla.ON: [60.0] * 5},  # Would lose now; the resumed run keeps it.
         ]
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(timings))
@@ -119,7 +119,7 @@ def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_
     monkeypatch.setattr(xla, "_VERDICTS", {})
     resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
     assert first.params["jit_compile"] is True and resumed.params["jit_compile"] is True
-    assert next(timings)[xla.ON] == [60.0] * 4  # Not measured again.
+    assert next(timings)[xla.ON] == [60.0] * 5  # Not measured again.
 
 
 def test_auto_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):

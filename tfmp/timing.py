@@ -1,10 +1,10 @@
 """Choosing between ways to run the same step from timings that a shared machine makes noisy.
 
-The candidates take turns (round 1: A, B, C; round 2: A, B, C; ...), so a slow spell of
+The candidates take turns (round 1: A, B, C; round 2: C, B, A; ...), so a slow spell of
 the machine falls on all of them. Each round gives every candidate's throughput as a
 ratio to the baseline's in the same round; a candidate replaces the baseline only when
-its median ratio is above 1 by more than the measured noise of those ratios (and by at
-least `min_gain`), and it won most rounds. Otherwise the baseline stays: a choice that
+its median ratio over at least five rounds is above 1 by more than the measured noise of
+those ratios (and by at least `min_gain`), and it won most rounds. Otherwise the baseline stays: a choice that
 is not clearly faster is not worth its risk (numerics, compile time).
 """
 
@@ -12,7 +12,8 @@ import dataclasses
 import math
 import statistics
 
-MIN_ROUNDS = 3
+MIN_ROUNDS = 3  # Fewer: no verdict at all (the baseline stays).
+MIN_ROUNDS_TO_SWITCH = 5  # A candidate replaces the baseline only on at least this many.
 MIN_GAIN = 0.02  # A candidate must be at least 2% faster than the baseline.
 Z = 2.0  # Standard errors the median log-ratio must clear.
 
@@ -29,10 +30,15 @@ class Verdict:
 
 
 def standard_error(logs):
-    """The standard error of the median of `logs` (per-round log-ratios): about 1.25 times a
-    robust standard deviation (1.4826 median absolute deviations) over sqrt(n)."""
+    """The standard error of the median of `logs` (per-round log-ratios): about 1.25 times
+    the standard deviation over sqrt(n). The deviation is the larger of a robust one (1.4826
+    median absolute deviations) and the classic one: from a handful of rounds the robust
+    one alone can come out near zero (of three rounds, it sees only the closest pair), and
+    a trial then took a 4% gain that longer rounds did not confirm."""
     median = statistics.median(logs)
     spread = 1.4826 * statistics.median(abs(x - median) for x in logs)
+    if len(logs) > 1:
+        spread = max(spread, statistics.stdev(logs))
     return 1.25 * spread / math.sqrt(len(logs))
 
 
@@ -74,7 +80,7 @@ def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
         threshold = max(math.log1p(min_gain), z * standard_error(logs))
         wins = sum(x > 0 for x in logs)
         ratios[name], noise[name] = math.exp(median), math.exp(threshold)
-        if median > threshold and wins * 3 >= 2 * len(logs):
+        if median > threshold and wins * 3 >= 2 * len(logs) and len(logs) >= MIN_ROUNDS_TO_SWITCH:
             accepted[name] = median
     if not accepted:
         others = {k: v for k, v in ratios.items() if k != baseline}
@@ -83,6 +89,8 @@ def decide(rates, baseline, min_gain=MIN_GAIN, z=Z):
         else:
             best = max(others, key=others.get)
             verdict = "slower" if ratios[best] < 1 else "within the noise"
+            if ratios[best] > noise[best] and rounds < MIN_ROUNDS_TO_SWITCH:
+                verdict = f"too few rounds to switch (needs {MIN_ROUNDS_TO_SWITCH})"
             limit = f"needs > {noise[best]:.2f}x" if math.isfinite(noise[best]) else "failed or cut off"
             why = f"{baseline}: {best} ran {ratios[best]:.2f}x, {verdict} ({limit}; median of {rounds} rounds)"
         return Verdict(baseline, why, ratios, noise, rounds)
