@@ -9,7 +9,7 @@ import sys
 
 from conftest import REPO
 
-from tfmp import benchrun
+from tfmp import benchmicro, benchrun
 
 
 def test_bench_writes_figures(tmp_path):
@@ -74,6 +74,6 @@ def test_every_policy_gets_every_round_even_past_its_share_of_time():
 
 
 def test_update_times_keras_against_fused():
-    update = benchrun.update_times("resnet50", rounds=2, calls_per_turn=1)
+    update = benchmicro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
     assert "| resnet50 | 25.6M |" in benchrun.markdown({"rows": [], "updates": [update]})

@@ -19,7 +19,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from tfmp import benchlib, benchrun, precision  # noqa: E402
+from tfmp import benchlib, benchmicro, benchrun, precision  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -106,9 +106,9 @@ def main(argv):
         if FLAGS.autotune_runs
         else []
     )
-    updates = [benchrun.update_times(name) for name in FLAGS.update_models]
-    overhead = benchrun.loop_overhead(FLAGS.overhead_rounds) if FLAGS.overhead_rounds else None
-    sparse = benchrun.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy) if FLAGS.sparse_vocab else []
+    updates = [benchmicro.update_times(name) for name in FLAGS.update_models]
+    overhead = benchmicro.loop_overhead(FLAGS.overhead_rounds) if FLAGS.overhead_rounds else None
+    sparse = benchmicro.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy) if FLAGS.sparse_vocab else []
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
     if rows:
         print(benchrun.table(rows))

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import models
 from models import realsize
-from tfmp import autotune, benchlib, callbacks, fused, loop, loss_scale, steps, timing
+from tfmp import autotune, benchlib, callbacks, loop, loss_scale, timing
 
 TRAINERS = ("tfmp", "keras")
 CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
@@ -209,109 +209,6 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
                 )
         choices.append({"model": name, "fastest": fastest, "picks": picks})
     return choices
-
-
-def loop_overhead(rounds, steps_per_turn=100):
-    """Milliseconds per step of tfmp.fit and of Keras fit on a model whose step costs almost
-    nothing (a 16-32-10 MLP, batch 32): what each training loop adds to every step, the
-    only difference left where both run the same kernels. Medians over alternating rounds."""
-    keras.backend.clear_session()
-    rng = np.random.default_rng(0)
-    x = rng.random((1024, 16), dtype=np.float32)
-    dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
-
-    def build():
-        layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]
-        return keras.Sequential([keras.Input((16,)), *layers])
-
-    runners = {t: FitRunner(t, "float32", build, dataset, 32, jit_compile=False) for t in TRAINERS}
-    for runner in runners.values():
-        runner.run(5)  # Trace and warm up.
-    times = {t: [] for t in TRAINERS}
-    for round_index in range(rounds):
-        for trainer, runner in timing.in_turn(runners, round_index):
-            runner.step_times = []
-            runner.run(steps_per_turn)
-            times[trainer].append(1e3 * statistics.median(runner.step_times))
-    return {"rounds": rounds, **{f"{t}_ms": statistics.median(v) for t, v in times.items()}}
-
-
-def update_times(name, rounds=5, calls_per_turn=3):
-    """Milliseconds per Adam update of a real-size model's weights (float32 gradients),
-    Keras' element-wise update against tfmp's fused kernels, in alternating rounds."""
-    keras.backend.clear_session()
-    keras.config.set_dtype_policy("float32")
-    variables = realsize.MODELS[name]().trainable_variables
-    grads = [tf.random.normal(v.shape, stddev=1e-3) for v in variables]
-    runs = {}
-    for kind in ("keras", "fused"):
-        optimizer = keras.optimizers.Adam(1e-4)
-        optimizer.build(variables)
-        if kind == "fused":
-            optimizer.update_step = fused.update_step(optimizer)
-        apply = tf.function(functools.partial(optimizer.apply, grads, variables))
-        apply()  # Trace.
-
-        def turn(apply=apply):
-            start = time.perf_counter()
-            for _ in range(calls_per_turn):
-                apply()
-            return calls_per_turn / (time.perf_counter() - start)
-
-        runs[kind] = turn
-    rates = timing.alternate(runs, math.inf, time.perf_counter, rounds, rounds)
-    return {
-        "model": name,
-        "parameters": sum(int(np.prod(v.shape)) for v in variables),
-        **{f"{kind}_ms": 1e3 / statistics.median(rates[kind]) for kind in runs},
-    }
-
-
-def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, rounds=5, steps_per_turn=10):
-    """Milliseconds per training step of the bundled transformer under `strategy`, with its
-    embedding gradient densified (as before) and kept sparse, in alternating rounds, per
-    vocabulary size."""
-    results = []
-    for vocab in vocab_sizes:
-        keras.backend.clear_session()
-        keras.config.set_dtype_policy("float32")
-        rng = np.random.default_rng(0)
-        x = rng.integers(0, vocab, (batch_size, sequence_length))
-        dataset = tf.data.Dataset.from_tensors((x, rng.integers(0, 2, batch_size))).repeat()
-        runs = {}
-        for sparse in (False, True):
-            keras.utils.set_random_seed(0)
-            with strategy.scope():
-                model = models.compile(
-                    models.MODELS["transformer"].build(2, vocab_size=vocab, sequence_length=sequence_length),
-                    keras.optimizers.Adam(1e-3),
-                )
-            loop.prepare(model, strategy, dataset.element_spec)  # Builds the model and optimizer.
-            compiled = steps.Steps(model, strategy, sparse=sparse)
-            distributed = strategy.num_replicas_in_sync > 1
-            iterator = iter(strategy.experimental_distribute_dataset(dataset) if distributed else dataset)
-            compiled.train(iterator)  # Trace.
-            runs["sparse" if sparse else "dense"] = (compiled, iterator)
-
-        def turn(compiled, iterator):
-            start = time.perf_counter()
-            for _ in range(steps_per_turn):
-                compiled.train(iterator)
-            return steps_per_turn / (time.perf_counter() - start)
-
-        rates = timing.alternate(
-            {k: functools.partial(turn, *v) for k, v in runs.items()}, math.inf, time.perf_counter, rounds, rounds
-        )
-        results.append(
-            {
-                "vocab_size": vocab,
-                "replicas": strategy.num_replicas_in_sync,
-                "dense_ms": 1e3 / statistics.median(rates["dense"]),
-                "sparse_ms": 1e3 / statistics.median(rates["sparse"]),
-                "speedup": timing.median_ratio(rates["sparse"], rates["dense"])[0],
-            }
-        )
-    return results
 
 
 def plot(rows, path):
