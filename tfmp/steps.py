@@ -28,9 +28,9 @@ def _as_given(grads_and_vars):
 
 
 @contextlib.contextmanager
-def reduced_gradients(optimizer, fused_updates=True):
+def reduced_gradients(optimizer, update_step=None):
     """While active, `optimizer` applies gradients that the caller has already all-reduced,
-    with fused update kernels where `tfmp.fused` has them (if `fused_updates`).
+    each with `update_step` (from `tfmp.fused`) where one is given.
 
     Keras optimizers all-reduce inside `apply` (and clip before that, per replica); these
     steps reduce and clip first. The overrides live on the instance only while a step of
@@ -39,9 +39,8 @@ def reduced_gradients(optimizer, fused_updates=True):
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     inner._all_reduce_sum_gradients = _as_given  # noqa: SLF001 - see docstring.
-    update = fused.update_step(inner) if fused_updates else None
-    if update is not None:
-        inner.update_step = update
+    if update_step is not None:
+        inner.update_step = update_step
     scaled = isinstance(optimizer, LossScaleOptimizer)
     if scaled:
         optimizer.gradients_reduced = True
@@ -49,7 +48,7 @@ def reduced_gradients(optimizer, fused_updates=True):
         yield
     finally:
         del inner._all_reduce_sum_gradients
-        if update is not None:
+        if update_step is not None:
             del inner.update_step
         if scaled:
             optimizer.gradients_reduced = False
@@ -113,7 +112,9 @@ class Steps:
                 self.optimizer.build(self.variables)
         self.sparse = sparse and distribute.strategy_name(strategy) != "tpu"
         # TPU variables update through their own replicated assign ops: Keras' update there.
-        self.fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
+        inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
+        self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
         self._ran = False
         self.compile(jit_compile)
 
@@ -158,7 +159,7 @@ class Steps:
             `loss_scale` (-1 without loss scaling), and the model's metric results
             (`loss`, ...: running means over the epoch).
         """
-        with reduced_gradients(self.optimizer, self.fused_updates):
+        with reduced_gradients(self.optimizer, self._update_step):
             fn = self._many if updates > 1 else self._one
             out = self._first_call(fn, iterator)
             if out is _FAILED:  # XLA failed to compile: the same update without it.
