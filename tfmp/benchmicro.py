@@ -17,6 +17,13 @@ from tfmp import fused, loop, steps, timing
 from tfmp.benchrun import TRAINERS, FitRunner
 
 
+def _calls_per_second(fn, calls):
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return calls / (time.perf_counter() - start)
+
+
 def loop_overhead(rounds, steps_per_turn=100):
     """Milliseconds per step of tfmp.fit and of Keras fit on a model whose step costs almost
     nothing (a 16-32-10 MLP, batch 32): what each training loop adds to every step, the
@@ -57,14 +64,7 @@ def update_times(name, rounds=5, calls_per_turn=3):
             optimizer.update_step = fused.update_step(optimizer)
         apply = tf.function(functools.partial(optimizer.apply, grads, variables))
         apply()  # Trace.
-
-        def turn(apply=apply):
-            start = time.perf_counter()
-            for _ in range(calls_per_turn):
-                apply()
-            return calls_per_turn / (time.perf_counter() - start)
-
-        runs[kind] = turn
+        runs[kind] = functools.partial(_calls_per_second, apply, calls_per_turn)
     rates = timing.alternate(runs, math.inf, time.perf_counter, rounds, rounds)
     return {
         "model": name,
@@ -97,17 +97,9 @@ def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, roun
             distributed = strategy.num_replicas_in_sync > 1
             iterator = iter(strategy.experimental_distribute_dataset(dataset) if distributed else dataset)
             compiled.train(iterator)  # Trace.
-            runs["sparse" if sparse else "dense"] = (compiled, iterator)
-
-        def turn(compiled, iterator):
-            start = time.perf_counter()
-            for _ in range(steps_per_turn):
-                compiled.train(iterator)
-            return steps_per_turn / (time.perf_counter() - start)
-
-        rates = timing.alternate(
-            {k: functools.partial(turn, *v) for k, v in runs.items()}, math.inf, time.perf_counter, rounds, rounds
-        )
+            step = functools.partial(compiled.train, iterator)
+            runs["sparse" if sparse else "dense"] = functools.partial(_calls_per_second, step, steps_per_turn)
+        rates = timing.alternate(runs, math.inf, time.perf_counter, rounds, rounds)
         results.append(
             {
                 "vocab_size": vocab,

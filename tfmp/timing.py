@@ -4,8 +4,8 @@ The candidates take turns (round 1: A, B, C; round 2: C, B, A; ...), so a slow s
 the machine falls on all of them. Each round gives every candidate's throughput as a
 ratio to the baseline's in the same round; a candidate replaces the baseline only when
 its median ratio over at least five rounds is above 1 by more than the measured noise of
-those ratios (and by at least `min_gain`), and it won most rounds. Otherwise the baseline stays: a choice that
-is not clearly faster is not worth its risk (numerics, compile time).
+those ratios (and by at least `min_gain`), and it won most rounds. Otherwise the baseline
+stays: a choice that is not clearly faster is not worth its risk (numerics, compile time).
 """
 
 import dataclasses
