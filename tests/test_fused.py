@@ -85,3 +85,16 @@ def test_only_keras_own_update_formulas_are_replaced():
     assert fused.update_step(keras.optimizers.RMSprop()) is None
     assert fused.update_step(keras.optimizers.Adam(amsgrad=True)) is None
     assert fused.update_step(keras.optimizers.AdamW()) is not None
+
+
+@pytest.mark.parametrize(
+    "optimizer, replicas, deduplicated",
+    [("adam", 1, False), ("momentum", 1, False), ("sgd", 1, True), ("adam", 2, True)],
+)
+def test_embedding_gradient_dense_at_once_where_nothing_gains_from_sparse(mirrored, optimizer, replicas, deduplicated):
+    # On one replica Adam and momentum make the embedding's gradient dense anyway: it is
+    # made dense first, not deduplicated for the norm. Plain SGD updates the rows looked up
+    # only, and two replicas all-gather the rows: those keep it sparse (deduplicated).
+    model = _model(optimizer, mirrored if replicas == 2 else None)
+    tfmp.fit(model, _data(), steps_per_epoch=1, verbose=0)
+    assert ("Unique" in _op_types(model)) == deduplicated

@@ -72,15 +72,21 @@ def update_step(optimizer):
         return None
     keras_update = optimizer.update_step
 
+    def densifies(variable):
+        """Whether this update makes a sparse gradient for `variable` dense."""
+        sparse_rows = fused is _sgd and optimizer.momentum == 0  # Updates the rows looked up only.
+        return tf.as_dtype(variable.dtype) == tf.float32 and not sparse_rows
+
     def step(gradient, variable, learning_rate):
         if tf.as_dtype(variable.dtype) != tf.float32:
             return keras_update(gradient, variable, learning_rate)
         if isinstance(gradient, tf.IndexedSlices):
-            if fused is _sgd and optimizer.momentum == 0:
-                return keras_update(gradient, variable, learning_rate)  # A sparse update: rows looked up only.
+            if not densifies(variable):
+                return keras_update(gradient, variable, learning_rate)
             # Adam's moments and momentum decay on every row: Keras' update makes the
             # gradient dense for them anyway (its first subtraction does).
             gradient = tf.convert_to_tensor(gradient)
         return fused(optimizer, gradient, variable, learning_rate)
 
+    step.densifies = densifies
     return step

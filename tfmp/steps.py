@@ -82,7 +82,8 @@ class Steps:
             optimizer's update stay outside it, where every strategy supports them.
         sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
             accumulation, all-reduce, the overflow check and clipping (not on TPUs,
-            whose all-reduce takes dense tensors); False densifies them first.
+            whose all-reduce takes dense tensors; on one replica, only where the update
+            keeps them sparse too); False densifies them first.
         fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam,
             AdamW, SGD; not on TPUs); False keeps Keras' element-wise update.
     """
@@ -115,6 +116,12 @@ class Steps:
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
+        # Which gradients to make dense before the all-reduce: all of them with sparse=False;
+        # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
+        # moments decay on every row): once dense, they need no deduplication for the norm.
+        alone = strategy.num_replicas_in_sync == 1
+        densifies = self._update_step.densifies if self._update_step is not None and alone else None
+        self._dense = [not self.sparse or (densifies is not None and densifies(v)) for v in self.variables]
         self._ran = False
         self.compile(jit_compile)
 
@@ -197,7 +204,7 @@ class Steps:
             self._track_loss(loss, x, skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
-        reduced = [grads[i] if self.sparse else tf.convert_to_tensor(grads[i]) for i in self.applied]
+        reduced = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
         if self.strategy.num_replicas_in_sync > 1:  # IndexedSlices are all-gathered, not densified.
             reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, reduced)
         # One row per index, so that the norm is that of the dense gradient.
