@@ -29,6 +29,7 @@ def test_bench_writes_figures(tmp_path):
             "--autotune_runs=1",
             "--trial_seconds=2",
             "--sparse_vocab=500",
+            "--sparse_replicas=2",
             "--overhead_rounds=2",
             "--update_models=",
             f"--output_dir={tmp_path}",
@@ -56,7 +57,8 @@ def test_bench_writes_figures(tmp_path):
     (choice,) = bench["choices"]
     assert choice["picks"][0]["policy"] in rows and 0 < choice["picks"][0]["vs_fastest"] <= 1
     (sparse,) = bench["sparse"]
-    assert sparse["vocab_size"] == 500 and sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0
+    assert sparse["vocab_size"] == 500 and sparse["replicas"] == 2
+    assert sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0
     assert bench["overhead"]["rounds"] == 2 and bench["overhead"]["tfmp_ms"] > 0 and bench["overhead"]["keras_ms"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 5000
     assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
