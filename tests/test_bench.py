@@ -79,3 +79,11 @@ def test_update_times_keras_against_fused():
     update = benchmicro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
     assert "| resnet50 | 25.6M |" in benchrun.markdown({"rows": [], "updates": [update]})
+
+
+def test_autotune_picks_carry_the_rounds_own_error():
+    pick = {"policy": "float32", "vs_fastest": 1 / 1.12, "vs_fastest_error": 0.04, "seconds": 30.0}
+    choices = [{"model": "lstm", "fastest": "mixed_bfloat16", "fastest_error": 0.04, "picks": [pick]}]
+    text = benchrun.markdown({"rows": [], "choices": choices})
+    assert "| lstm | mixed_bfloat16 | float32 (89.3% ±4.0, 30 s) |" in text
+    assert benchrun.share_text({**pick, "vs_fastest_error": None}) == "89.3%"

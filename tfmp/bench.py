@@ -53,7 +53,7 @@ flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png g
 def _print_choices(choices):
     for c in choices:
         picks = ", ".join(
-            f"{p['policy']} ({100 * p['vs_fastest']:.1f}% of the fastest, {p['seconds']:.0f} s)" for p in c["picks"]
+            f"{p['policy']} ({benchrun.share_text(p)} of the fastest, {p['seconds']:.0f} s)" for p in c["picks"]
         )
         print(f"{c['model']}: fastest in the rounds {c['fastest']}; autotune picked {picks}")
 

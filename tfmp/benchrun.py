@@ -98,7 +98,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
         ours, theirs = runners[(policy, "tfmp")], runners[(policy, "keras")]
         flops = benchlib.flops_per_example(ours.model)
         rate = statistics.median(ours.rates)
-        speedup = timing.median_ratio(ours.rates, base.rates)[0] if base else None
+        speedup, speedup_error = timing.median_ratio(ours.rates, base.rates) if base else (None, None)
         versus_keras, keras_error = timing.median_ratio(ours.rates, theirs.rates)
         possible = {
             op: peak[policy]["flops"] / peak["float32"]["flops"] if "float32" in peak else None
@@ -113,6 +113,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
                 "examples_per_second": rate,
                 "rounds": ours.rates,
                 "speedup_vs_float32": speedup,
+                "speedup_vs_float32_error": speedup_error,  # Standard error of that median, a fraction.
                 "possible_speedup": possible,
                 "share_of_possible_gain": (speedup - 1) / (bound - 1) if speedup and bound and bound > 1.1 else None,
                 "keras_fit_examples_per_second": statistics.median(theirs.rates),
@@ -174,6 +175,12 @@ def table(rows):
     return "\n".join([fmt_line.format(*head), *(fmt_line.format(*line) for line in lines)])
 
 
+def share_text(pick):
+    """A pick's share of the fastest policy's speed, with the rounds' standard error of it."""
+    error = pick.get("vs_fastest_error")
+    return f"{100 * pick['vs_fastest']:.1f}%" + (f" ±{100 * error:.1f}" if error else "")
+
+
 def _rate(value):
     return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
 
@@ -187,6 +194,7 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
         # robust measure; the medians of raw rates can disagree when rounds are noisy.
         speed = {r["policy"]: r["speedup_vs_float32"] or r["examples_per_second"] for r in rows if r["model"] == name}
         fastest = max(speed, key=speed.get)
+        error = {r["policy"]: r.get("speedup_vs_float32_error") or 0.0 for r in rows if r["model"] == name}
         picks = []
         for _ in range(runs):
             keras.backend.clear_session()
@@ -202,12 +210,14 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
                     {
                         "policy": decision.policy,
                         "vs_fastest": speed[decision.policy] / speed[fastest],
+                        # The rounds' own standard error of that share (float32's is 0: the baseline).
+                        "vs_fastest_error": math.hypot(error[decision.policy], error[fastest]),
                         "vs_float32": speed[decision.policy] / speed["float32"] if "float32" in speed else None,
                         "seconds": time.perf_counter() - start,
                         "reason": decision.reason.splitlines()[0],
                     }
                 )
-        choices.append({"model": name, "fastest": fastest, "picks": picks})
+        choices.append({"model": name, "fastest": fastest, "fastest_error": error[fastest], "picks": picks})
     return choices
 
 
@@ -266,12 +276,15 @@ def markdown(result):
     if result.get("choices"):
         out += [
             "",
-            "| model | fastest in the rounds | autotune's picks (share of the fastest, trial seconds) |",
+            "| model | fastest in the rounds (vs float32) | autotune's picks (share of the fastest, trial seconds) |",
             "|---|---|---|",
         ]
+        speedups = {(r["model"], r["policy"]): r["speedup_vs_float32"] for r in rows}
         for c in result["choices"]:
-            picks = ", ".join(f"{p['policy']} ({100 * p['vs_fastest']:.1f}%, {p['seconds']:.0f} s)" for p in c["picks"])
-            out.append(f"| {c['model']} | {c['fastest']} | {picks} |")
+            picks = ", ".join(f"{p['policy']} ({share_text(p)}, {p['seconds']:.0f} s)" for p in c["picks"])
+            gain = speedups.get((c["model"], c["fastest"]))
+            fastest = f"{c['fastest']} ({gain:.2f}x ±{c.get('fastest_error', 0):.2f})" if gain else c["fastest"]
+            out.append(f"| {c['model']} | {fastest} | {picks} |")
     if result.get("overhead"):
         o = result["overhead"]
         out += [
