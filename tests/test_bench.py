@@ -87,3 +87,16 @@ def test_autotune_picks_carry_the_rounds_own_error():
     text = benchrun.markdown({"rows": [], "choices": choices})
     assert "| lstm | mixed_bfloat16 | float32 (89.3% ±4.0, 30 s) |" in text
     assert benchrun.share_text({**pick, "vs_fastest_error": None}) == "89.3%"
+
+
+def test_versus_keras_pools_the_rows_without_xla():
+    def row(policy, ratio, error, xla=False):
+        return {"model": "m", "policy": policy, "tfmp_vs_keras_fit": ratio, "tfmp_vs_keras_fit_error": error,
+                "jit_compile": {"tfmp": xla, "keras": False}}  # fmt: skip
+
+    rows = [row("a", 0.99, 0.01), row("b", 1.01, 0.01), row("c", 0.9, 0.01), row("d", 2.0, 0.01, xla=True)]
+    summary = benchrun.versus_keras(rows)
+    assert summary["rows"] == 3 and summary["slower"] == ["m c"]  # 0.99 +- 0.01 is within two errors.
+    assert abs(summary["ratio"] - (0.99 * 1.01 * 0.9) ** (1 / 3)) < 1e-9
+    assert abs(summary["error"] - 0.03**0.5 / 3 * 0.1) < 1e-9
+    assert "rows slower beyond two standard errors: m c" in benchrun.versus_keras_text(summary)

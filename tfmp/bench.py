@@ -115,8 +115,11 @@ def main(argv):
     elif FLAGS.sparse_vocab:
         print("sparse check skipped: one replica has nothing to all-reduce (--sparse_replicas=2 times it)")
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
+    summary = benchrun.versus_keras(rows)
     if rows:
         print(benchrun.table(rows))
+    if summary:
+        print(benchrun.versus_keras_text(summary))
     _print_choices(choices)
     for u in updates:
         print(
@@ -142,6 +145,7 @@ def main(argv):
         "jit_compile": FLAGS.jit_compile,
         "peaks": peaks,
         "rows": rows,
+        "versus_keras": summary,
         "choices": choices,
         "sparse": sparse,
         "overhead": overhead,

@@ -141,6 +141,31 @@ def _versus_keras(row):
     return f"{ratio:.2f}" if error is None else f"{ratio:.2f} ±{ratio * error:.2f}"
 
 
+def versus_keras(rows):
+    """tfmp / Keras fit over the rows where neither used XLA (the same kernels on both sides):
+    the geometric mean of the rows' ratios, its standard error, and the rows below 1 by more
+    than two of their own standard errors. None without such rows."""
+    same = [r for r in rows if r["tfmp_vs_keras_fit"] and not any(r["jit_compile"].values())]
+    if not same:
+        return None
+    logs = [math.log(r["tfmp_vs_keras_fit"]) for r in same]
+    errors = [r.get("tfmp_vs_keras_fit_error") or 0.0 for r in same]
+    return {
+        "rows": len(same),
+        "ratio": math.exp(statistics.fmean(logs)),
+        "error": math.sqrt(sum(e * e for e in errors)) / len(same),
+        "slower": [f"{r['model']} {r['policy']}" for r, x, e in zip(same, logs, errors, strict=True) if x + 2 * e < 0],
+    }
+
+
+def versus_keras_text(summary):
+    slower = ", ".join(summary["slower"]) or "none"
+    return (
+        f"tfmp / Keras fit over the {summary['rows']} rows without XLA: {summary['ratio']:.3f} "
+        f"±{summary['error']:.3f} (geometric mean); rows slower beyond two standard errors: {slower}"
+    )
+
+
 def table(rows):
     """The console (and README) table."""
     head = (
@@ -273,6 +298,8 @@ def markdown(result):
             f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
             f"{r['peak_memory_mb']:,.0f} |"
         )
+    if result.get("versus_keras"):
+        out += ["", versus_keras_text(result["versus_keras"])]
     if result.get("choices"):
         out += [
             "",
