@@ -118,3 +118,27 @@ def test_a_clear_case_stops_early_a_close_one_uses_the_budget():
         {"float32": lambda: 100.0, "bf16": lambda: next(noisy)}, 100.0, lambda: next(clock), baseline="float32"
     )
     assert len(close["bf16"]) == 12  # Undecided: every round the budget allows.
+
+
+def test_a_candidate_that_cannot_win_gets_no_more_turns():
+    turns = []
+
+    def runner(name, values):
+        values = iter(values)
+        return lambda: turns.append(name) or next(values)
+
+    close = [100.0, 104.0, 97.0, 103.0] * 3
+    runners = {
+        "float32": runner("float32", [100.0] * 12),
+        "bf16": runner("bf16", close),
+        "fp16": runner("fp16", [30.0, 31.0, 29.0] + [300.0] * 9),  # Would win later; never asked.
+    }
+    clock = itertools.count(0.0, 1.0)
+    rates = timing.alternate(runners, 100.0, lambda: next(clock), baseline="float32")
+    assert len(rates["fp16"]) == timing.MIN_ROUNDS and turns.count("fp16") == timing.MIN_ROUNDS
+    assert len(rates["float32"]) == len(rates["bf16"]) == 12  # The close contest gets every round.
+    assert timing.decide(rates, "float32").choice == "float32"
+    # 10% slower on three steady rounds: its median plus the noise is under the 2% worth having.
+    assert timing.losing({"float32": [100.0] * 3, "x": [90.0] * 3}, "float32", "x")
+    assert not timing.losing({"float32": [100.0] * 3, "x": [100.0, 90.0, 110.0]}, "float32", "x")  # Could win.
+    assert not timing.losing({"float32": [100.0] * 2, "x": [10.0] * 2}, "float32", "x")  # Too few rounds.

@@ -30,8 +30,8 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
     """Trains each candidate policy in alternating turns; returns (rows, `timing.Verdict`).
 
     Each candidate is built, warmed up (`WARMUP` steps: tracing, allocation), then runs a
-    turn of about equal length per round. One whose warm-up alone takes a third of the
-    budget (float16 on most CPUs) is cut off; one whose loss is not finite never wins.
+    turn of about equal length per round, until it can no longer win. One whose warm-up
+    alone takes a third of the budget is cut off; one whose loss is not finite never wins.
     """
     budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
     built, per_step = {}, {}
@@ -40,7 +40,9 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
         c.run(0, WARMUP, math.inf)
         per_step[policy] = statistics.median(c.durations[1:])
         c.cut_off = per_step[policy] * 2 > budget_seconds / 3
-    turn = min(max(budget_seconds / (MAX_ROUNDS * len(candidates)), 0.2), 5.0)
+    # Turns sized for two candidates in contention: a third that is clearly slower (float16
+    # on most CPUs) gets no turns after the first rounds (`timing.alternate`).
+    turn = min(max(budget_seconds / (MAX_ROUNDS * min(len(candidates), 2)), 0.2), 5.0)
     runners = {}
     for policy, c in built.items():
         steps = max(2, round(turn / per_step[policy]))

@@ -123,23 +123,36 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
 
     At least `min_rounds` rounds run (unless one round alone overruns the budget, then
     what was measured is returned); rounds stop at `max_rounds`, when another would
-    overrun the budget at the pace seen so far, or, given a `baseline`, as soon as the
-    verdict against it is `settled`: a clear case takes a few rounds, a close one all
-    the budget allows.
+    overrun the budget at the pace of the last round, or, given a `baseline`, as soon as
+    the verdict against it is `settled`: a clear case takes a few rounds, a close one all
+    the budget allows. Given a `baseline`, a candidate that cannot win any more (`losing`)
+    gets no further turns, leaving the time to the ones still in contention.
 
     Returns:
-        {name: [throughput per round]}.
+        {name: [throughput per round]}; a dropped candidate's list is shorter.
     """
     rates = {name: [] for name in runners}
-    start = clock()
+    active = dict(runners)
+    start = last = clock()
     for round_index in range(max_rounds):
-        for name, run in in_turn(runners, round_index):
+        for name, run in in_turn(active, round_index):
             rates[name].append(run())
-        spent = clock() - start
-        per_round = spent / (round_index + 1)
+        now = clock()
+        spent, per_round, last = now - start, now - last, now
         enough = round_index + 1 >= min_rounds
         if enough and (spent + per_round > budget_seconds or (baseline and settled(rates, baseline))):
             break
         if spent > budget_seconds:
             break
+        if baseline and enough:
+            active = {n: run for n, run in active.items() if n == baseline or not losing(rates, baseline, n)}
     return rates
+
+
+def losing(rates, baseline, name, min_gain=MIN_GAIN, z=Z):
+    """Whether candidate `name` cannot replace the baseline: on at least `MIN_ROUNDS` rounds
+    it failed, or its median ratio is below 1 + min_gain even after adding the noise."""
+    verdict = decide({baseline: rates[baseline], name: rates[name]}, baseline, min_gain, z)
+    if len(rates[name]) < MIN_ROUNDS:
+        return False
+    return math.isinf(verdict.noise[name]) or verdict.ratios[name] * verdict.noise[name] < 1 + min_gain
