@@ -104,13 +104,21 @@ class FakeCandidate:
     """Stands in for benchlib.Candidate: each turn returns the next injected rate."""
 
     RATES = {}
+    STEP_SECONDS = {}  # Per policy; default 0.01.
+    FINITE = ("float32", "mixed_bfloat16")
 
     def __init__(self, policy, *args):
         self.rates = itertools.cycle(self.RATES[policy])
-        self.durations, self.finite, self.cut_off = [], policy != "mixed_float16", False
+        self.step = self.STEP_SECONDS.get(policy, 0.01)
+        self.durations, self.finite, self.cut_off = [], policy in self.FINITE, False
+        self.turns = 0
+        FakeCandidate.made[policy] = self
+
+    made = {}
 
     def run(self, steps, warmup, deadline):
-        self.durations += [0.01] * (steps + warmup)
+        self.durations += [self.step] * (steps + warmup)
+        self.turns += bool(steps)
         return next(self.rates) if steps else 0.0
 
 
@@ -136,3 +144,20 @@ def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_pat
     )
     assert decision.policy == chosen
     assert "autotune, measured now: " + chosen in decision.reason.splitlines()[0]
+
+
+def test_a_policy_far_slower_in_warm_up_takes_no_turns(monkeypatch, tmp_path):
+    from tfmp import autotune, benchlib
+
+    rates = {"float32": [100] * 12, "mixed_bfloat16": [131, 137, 128, 133, 130] * 3, "mixed_float16": [900] * 12}
+    monkeypatch.setattr(FakeCandidate, "RATES", rates)
+    monkeypatch.setattr(FakeCandidate, "FINITE", tuple(rates))
+    monkeypatch.setattr(FakeCandidate, "STEP_SECONDS", {"mixed_float16": 0.01 * (autotune.MAX_SLOWDOWN + 1)})
+    monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
+    clock = itertools.count(0.0, 2.5)
+    decision = autotune.autotune(
+        "k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=15, clock=lambda: next(clock)
+    )
+    # Its turns would have won (900 examples/s): it never ran one, and is not chosen.
+    assert decision.policy == "mixed_bfloat16" and FakeCandidate.made["mixed_float16"].turns == 0
+    assert "cut off" in decision.reason

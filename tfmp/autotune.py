@@ -24,6 +24,7 @@ CACHE_FILE = "autotune.json"
 TRIAL_SECONDS = 45.0  # At most, for the alternating rounds; building and warming up come on top.
 MAX_ROUNDS = 12
 WARMUP = 3
+MAX_SLOWDOWN = 3.0  # A candidate whose warm-up steps are this many times the baseline's takes no turns.
 
 
 def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=None, clock=time.perf_counter):
@@ -31,15 +32,18 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
 
     Each candidate is built, warmed up (`WARMUP` steps: tracing, allocation), then runs a
     turn of about equal length per round, until it can no longer win. One whose warm-up
-    alone takes a third of the budget is cut off; one whose loss is not finite never wins.
+    alone takes a third of the budget, or whose warm-up steps take `MAX_SLOWDOWN` times the
+    baseline's (float16 on most CPUs), is cut off; one whose loss is not finite never wins.
     """
     budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
     built, per_step = {}, {}
-    for policy in candidates:
+    baseline = BASELINE if BASELINE in candidates else candidates[0]
+    for policy in sorted(candidates, key=lambda p: p != baseline):  # The baseline's pace first.
         built[policy] = c = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
         c.run(0, WARMUP, math.inf)
         per_step[policy] = statistics.median(c.durations[1:])
-        c.cut_off = per_step[policy] * 2 > budget_seconds / 3
+        hopeless = per_step[policy] > MAX_SLOWDOWN * per_step[baseline]  # No noise hides a 3x gap.
+        c.cut_off = per_step[policy] * 2 > budget_seconds / 3 or hopeless
     # Turns sized for two candidates in contention: a third that is clearly slower (float16
     # on most CPUs) gets no turns after the first rounds (`timing.alternate`).
     turn = min(max(budget_seconds / (MAX_ROUNDS * min(len(candidates), 2)), 0.2), 5.0)
@@ -48,7 +52,6 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
         steps = max(2, round(turn / per_step[policy]))
         runners[policy] = lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf)
     # A clear verdict ends the rounds early; a close one gets up to the whole budget.
-    baseline = BASELINE if BASELINE in built else candidates[0]
     rates = timing.alternate(runners, budget_seconds, clock, max_rounds=MAX_ROUNDS, baseline=baseline)
     usable = {p: (r if built[p].finite else [0.0] * len(r)) for p, r in rates.items()}
     verdict = timing.decide(usable, baseline)
