@@ -100,3 +100,22 @@ def test_versus_keras_pools_the_rows_without_xla():
     assert abs(summary["ratio"] - (0.99 * 1.01 * 0.9) ** (1 / 3)) < 1e-9
     assert abs(summary["error"] - 0.03**0.5 / 3 * 0.1) < 1e-9
     assert "rows slower beyond two standard errors: m c" in benchrun.versus_keras_text(summary)
+
+
+def test_benchpool_pools_the_rounds_of_several_runs(tmp_path, capsys):
+    from tfmp import benchpool
+
+    def run(ours, theirs, device="cpu"):
+        row = {"model": "m", "policy": "float32", "rounds": ours, "keras_fit_rounds": theirs,
+               "tfmp_vs_keras_fit": 1.0, "jit_compile": {"tfmp": False, "keras": False}}  # fmt: skip
+        return {"device": device, "rows": [row]}
+
+    (pooled,) = benchpool.pool([run([99, 102, 101], [100] * 3), run([104, 98, 103], [100] * 3)])
+    assert pooled["rounds"] == 6 and abs(pooled["tfmp_vs_keras_fit"] - 1.015) < 1e-3  # Median of 6 ratios.
+    paths = []
+    for i, result in enumerate([run([99], [100]), run([101], [100]), run([100], [100], device="gpu")]):
+        paths.append(str(tmp_path / f"{i}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(result, f)
+    assert benchpool.main(paths[:2]) == 0 and "| m | float32 | 1.00 | 1.00 | 1.000" in capsys.readouterr().out
+    assert benchpool.main(paths) == 2 and "different devices" in capsys.readouterr().err
