@@ -310,7 +310,8 @@ def markdown(result):
         for c in result["choices"]:
             picks = ", ".join(f"{p['policy']} ({share_text(p)}, {p['seconds']:.0f} s)" for p in c["picks"])
             gain = speedups.get((c["model"], c["fastest"]))
-            fastest = f"{c['fastest']} ({gain:.2f}x ±{c.get('fastest_error', 0):.2f})" if gain else c["fastest"]
+            error = c.get("fastest_error") or 0.0  # 0 when float32 itself is the fastest.
+            fastest = f"{c['fastest']} ({gain:.2f}x" + (f" ±{error:.2f})" if error else ")") if gain else c["fastest"]
             out.append(f"| {c['model']} | {fastest} | {picks} |")
     if result.get("overhead"):
         o = result["overhead"]
