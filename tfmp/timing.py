@@ -113,8 +113,12 @@ def settled(rates, baseline, min_gain=MIN_GAIN, z=Z):
     verdict = decide(rates, baseline, min_gain, z)
     if verdict.choice != baseline:
         return True
-    others = [n for n in rates if n != baseline]
-    return all(math.isinf(verdict.noise[n]) or verdict.ratios[n] * verdict.noise[n] < 1 + min_gain for n in others)
+    return all(_cannot_win(verdict, n, min_gain) for n in rates if n != baseline)
+
+
+def _cannot_win(verdict, name, min_gain):
+    """Failed or cut off, or under 1 + min_gain even with the noise added to its median."""
+    return math.isinf(verdict.noise[name]) or verdict.ratios[name] * verdict.noise[name] < 1 + min_gain
 
 
 def in_turn(runners, round_index):
@@ -159,7 +163,6 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
 def losing(rates, baseline, name, min_gain=MIN_GAIN, z=Z):
     """Whether candidate `name` cannot replace the baseline: on at least `MIN_ROUNDS` rounds
     it failed, or its median ratio is below 1 + min_gain even after adding the noise."""
-    verdict = decide({baseline: rates[baseline], name: rates[name]}, baseline, min_gain, z)
     if len(rates[name]) < MIN_ROUNDS:
         return False
-    return math.isinf(verdict.noise[name]) or verdict.ratios[name] * verdict.noise[name] < 1 + min_gain
+    return _cannot_win(decide({baseline: rates[baseline], name: rates[name]}, baseline, min_gain, z), name, min_gain)
