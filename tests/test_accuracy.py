@@ -1,7 +1,8 @@
 """Real accuracy on real data, read through the TFDS code path, under float32 and bfloat16.
 
-Each run is a couple of minutes at most on 2 CPU cores. These tests fail if learning
-breaks: a random model scores 0.10 on digits and 0.50 on sentences.
+Each case takes under a minute on 2 CPU cores (one or two epochs; they reach 0.99 and
+0.83). These tests fail if learning breaks: a random model scores 0.10 on digits and 0.50
+on sentences.
 """
 
 import os
@@ -16,8 +17,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(SHARED), reason=f"no real data
 
 CASES = {
     # model, dataset, epochs, global batch, learning rate, threshold
-    "cnn-digits": ("cnn", "mnist_t10k", 3, 128, 1e-3, 0.97),
-    "lstm-sst2": ("lstm", "sst2", 2, 512, 3e-3, 0.77),
+    "cnn-digits": ("cnn", "mnist_t10k", 2, 128, 2e-3, 0.97),
+    "lstm-sst2": ("lstm", "sst2", 1, 512, 3e-3, 0.80),
 }
 
 
