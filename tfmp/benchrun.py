@@ -166,7 +166,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
     them (from 1 to `max_steps` timed steps, by the step time seen while warming up), and
     every round runs: no policy is cut off. In a policy's turn tfmp.fit and Keras fit train
     at once in lockstep, a step of one, then a step of the other (`run_in_lockstep`), so
-    that tfmp / Keras compares steps that ran seconds apart. Returns one row per policy.
+    that tfmp / Keras compares steps that ran one after the other. Returns one row per policy.
     """
     keras.backend.clear_session()
     build, dataset = _model_and_data(name, batch_size)
