@@ -161,24 +161,3 @@ def test_a_policy_far_slower_in_warm_up_takes_no_turns(monkeypatch, tmp_path):
     # Its turns would have won (900 examples/s): it never ran one, and is not chosen.
     assert decision.policy == "mixed_bfloat16" and FakeCandidate.made["mixed_float16"].turns == 0
     assert "cut off" in decision.reason
-
-
-@pytest.mark.parametrize(("warmup_allowance", "rounds_budget"), [(15.0, 15.0), (-7.0, 8.0), (-100.0, 5.0)])
-def test_a_slow_warm_up_shortens_the_rounds_down_to_a_third(warmup_allowance, rounds_budget, monkeypatch, tmp_path):
-    from tfmp import autotune, benchlib
-
-    rates = {"float32": [100] * 12, "mixed_bfloat16": [131, 137, 128, 133, 130] * 3}
-    monkeypatch.setattr(FakeCandidate, "RATES", rates)
-    monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
-    monkeypatch.setattr(autotune, "WARMUP_SECONDS", warmup_allowance)  # Fake warm-ups take ~0 s.
-    budgets, alternate = [], timing.alternate
-
-    def recorded(runners, budget, *args, **kwargs):
-        budgets.append(budget)
-        return alternate(runners, budget, *args, **kwargs)
-
-    monkeypatch.setattr(timing, "alternate", recorded)
-    clock = itertools.count(0.0, 2.5)
-    tick = lambda: next(clock)  # noqa: E731
-    autotune.autotune("k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=15, clock=tick)
-    assert budgets == [pytest.approx(rounds_budget, abs=0.5)]

@@ -22,7 +22,6 @@ CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
 BASELINE = "float32"
 CACHE_FILE = "autotune.json"
 TRIAL_SECONDS = 45.0  # At most, for the alternating rounds; building and warming up come on top.
-WARMUP_SECONDS = 15.0  # Building and warming up beyond this comes out of the rounds' budget.
 MAX_ROUNDS = 12
 WARMUP = 3
 MAX_SLOWDOWN = 3.0  # A candidate whose warm-up steps are this many times the baseline's takes no turns.
@@ -39,17 +38,12 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
     budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
     built, per_step = {}, {}
     baseline = BASELINE if BASELINE in candidates else candidates[0]
-    start = time.perf_counter()
     for policy in sorted(candidates, key=lambda p: p != baseline):  # The baseline's pace first.
         built[policy] = c = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
         c.run(0, WARMUP, math.inf)
         per_step[policy] = statistics.median(c.durations[1:])
         hopeless = per_step[policy] > MAX_SLOWDOWN * per_step[baseline]  # No noise hides a 3x gap.
         c.cut_off = per_step[policy] * 2 > budget_seconds / 3 or hopeless
-    # A slow warm-up (a process's first tracing of a model, a big model) shortens the rounds,
-    # down to a third of their budget, so that the whole trial stays near a minute.
-    overrun = time.perf_counter() - start - WARMUP_SECONDS
-    budget_seconds = max(budget_seconds - max(overrun, 0.0), budget_seconds / 3)
     # Turns sized for two candidates in contention: a third that is clearly slower (float16
     # on most CPUs) gets no turns after the first rounds (`timing.alternate`).
     turn = min(max(budget_seconds / (MAX_ROUNDS * min(len(candidates), 2)), 0.2), 5.0)
