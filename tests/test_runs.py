@@ -295,3 +295,20 @@ def test_sigterm_at_any_moment_exits_75_with_one_line(tmp_path, after):
     assert process.returncode == 75, err[-2000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "preempted: SIGTERM" in lines[0], err
+
+
+def test_preempted_wrapped_by_tracing_still_exits_75_with_one_line(capsys):
+    """SIGTERM's Preempted raised while TensorFlow traces comes out as autograph's error,
+    with the Preempted as its context."""
+    from tfmp import cli
+    from tfmp.errors import Preempted
+
+    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
+        try:
+            raise Preempted("SIGTERM outside training")
+        except Preempted:
+            raise RuntimeError("in user code: ... Preempted") from None  # As autograph re-raises it.
+    assert exit_info.value.code == 75
+    assert capsys.readouterr().err.strip() == "train.py: preempted: SIGTERM outside training"
+    with pytest.raises(ValueError), cli.user_errors("train.py"):
+        raise ValueError("not a preemption")

@@ -112,3 +112,22 @@ def user_errors(prog):
     except PeerLost as e:
         print(f"{prog}: lost a peer: {e}", file=sys.stderr, flush=True)
         sys.exit(76)
+    except Exception as e:
+        # SIGTERM's `Preempted` raised while TensorFlow traces a function comes out wrapped
+        # (autograph's StagingError, its context the Preempted): still a preemption.
+        preempted = _in_chain(e, Preempted)
+        if preempted is None:
+            raise
+        print(f"{prog}: preempted: {preempted}", file=sys.stderr, flush=True)
+        sys.exit(75)
+
+
+def _in_chain(error, kind):
+    """The first exception of `kind` among `error`'s causes and contexts, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
