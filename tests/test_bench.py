@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from conftest import REPO
 
 from tfmp import benchmicro, benchrun
@@ -72,35 +71,6 @@ def test_every_policy_gets_every_round_even_past_its_share_of_time():
     assert len(row["rounds"]) == len(row["keras_fit_rounds"]) == 2
     assert row["steps_timed"] == 2 and min(row["rounds"] + row["keras_fit_rounds"]) > 0
     assert "cnn" in benchrun.table([row])
-
-
-class _FakeRunner:
-    """Calls a lockstep timer as a fit would, and logs its steps."""
-
-    def __init__(self, name, log, fail_at=None):
-        self.name, self.log, self.fail_at, self.batch_size = name, log, fail_at, 8
-
-    def run(self, steps, timer):
-        timer.on_train_begin()
-        for step in range(steps + 1):
-            if step == self.fail_at:
-                raise RuntimeError(f"{self.name} failed")
-            self.log.append(self.name)
-            timer.on_train_batch_end(step)
-        return timer.examples_per_second
-
-
-def test_lockstep_fits_take_their_steps_one_at_a_time_in_turn():
-    log = []
-    rates = benchrun.run_in_lockstep([_FakeRunner("b", log), _FakeRunner("a", log)], steps=3)
-    assert log == ["b", "a"] * 4 and min(rates) > 0  # First step untimed, then three each, in turn.
-
-
-def test_lockstep_raises_what_one_fit_raised_and_lets_the_other_finish():
-    log = []
-    with pytest.raises(RuntimeError, match="a failed"):
-        benchrun.run_in_lockstep([_FakeRunner("a", log, fail_at=1), _FakeRunner("b", log)], steps=3)
-    assert log == ["a", "b", "b", "b", "b"]  # b goes on alone, never waiting for a turn that cannot come.
 
 
 def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):

@@ -10,7 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 import models
-from tfmp import data, loop, loss_scale
+from tfmp import callbacks, data, loop, loss_scale
 
 DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16"}
 DEFAULT_DATA = {"image": "digits", "text": "sentiment"}
@@ -191,4 +191,4 @@ class Candidate:
                 self.cut_off = True
                 break
         self.step_times += times
-        return len(times) * self.global_batch / sum(times) if times else 0.0
+        return callbacks.examples_per_second(times, self.global_batch)

@@ -5,7 +5,6 @@ import functools
 import math
 import statistics
 import tempfile
-import threading
 import time
 
 import keras
@@ -14,7 +13,7 @@ import tensorflow as tf
 
 import models
 from models import realsize
-from tfmp import autotune, benchlib, callbacks, loop, loss_scale, timing
+from tfmp import autotune, benchlib, callbacks, lockstep, loop, loss_scale, timing
 
 TRAINERS = ("tfmp", "keras")
 CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
@@ -34,7 +33,8 @@ class FitRunner:
         optimizer = keras.optimizers.Adam(1e-3)
         # Keras wraps its own LossScaleOptimizer under mixed_float16, as a Keras user gets it.
         models.compile(self.model, loss_scale.wrap_optimizer(optimizer) if trainer == "tfmp" else optimizer)
-        self.trainer, self.dataset, self.batch_size, self.jit_compile = trainer, dataset, batch_size, jit_compile
+        self.trainer, self.policy, self.dataset, self.batch_size = trainer, policy, dataset, batch_size
+        self.jit_compile = jit_compile
         self.rates, self.step_times, self.loss, self.memory, self.jit_used = [], [], math.nan, 0, None
 
     def run(self, steps, timer=None):
@@ -64,93 +64,6 @@ class FitRunner:
         return timer.examples_per_second
 
 
-class _Baton:
-    """Lets fits running in threads take their steps one at a time, in turn."""
-
-    def __init__(self, count):
-        self._turn, self._count, self._done = 0, count, set()
-        self._changed = threading.Condition()
-
-    def _next(self, index):
-        for i in range(1, self._count + 1):
-            if (index + i) % self._count not in self._done:
-                return (index + i) % self._count
-        return index
-
-    def take(self, index):
-        """Waits until it is `index`'s turn (or every other fit has ended)."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._turn == index or len(self._done) >= self._count - 1)
-
-    def pass_on(self, index):
-        with self._changed:
-            self._turn = self._next(index)
-            self._changed.notify_all()
-
-    def finish(self, index):
-        """`index` takes no more turns."""
-        with self._changed:
-            self._done.add(index)
-            if self._turn == index:
-                self._turn = self._next(index)
-            self._changed.notify_all()
-
-
-class _TurnTimer(keras.callbacks.Callback):
-    """Times each step of a fit in lockstep from the moment its turn comes to its batch end:
-    the step and everything its loop does around it, none of the other fit's work."""
-
-    def __init__(self, global_batch, baton, index):
-        super().__init__()
-        self.global_batch, self.baton, self.index = global_batch, baton, index
-        self.times, self._start = [], None
-
-    def on_train_begin(self, logs=None):
-        self.baton.take(self.index)
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self._start)
-        self.baton.pass_on(self.index)
-        self.baton.take(self.index)
-        self._start = time.perf_counter()
-
-    @property
-    def step_times(self):
-        return self.times[1:]  # The first step opens a new iterator and calls on_train_begin.
-
-    @property
-    def examples_per_second(self):
-        times = self.step_times
-        return len(times) * self.global_batch / sum(times) if times else 0.0
-
-
-def run_in_lockstep(runners, steps):
-    """Trains every runner `steps` timed steps at once, each in its own thread, taking their
-    steps one at a time in turn (in the given order): a slow spell of this machine falls on
-    neighbouring steps of all of them, not on one runner's whole turn. Returns each
-    runner's examples/second."""
-    baton = _Baton(len(runners))
-    rates, errors = [0.0] * len(runners), []
-
-    def train(index):
-        try:
-            rates[index] = runners[index].run(steps, _TurnTimer(runners[index].batch_size, baton, index))
-        except BaseException as e:  # noqa: BLE001 - raised again in the calling thread.
-            errors.append(e)
-        finally:
-            baton.finish(index)
-
-    threads = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(len(runners))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return rates
-
-
 def _model_and_data(name, batch_size):
     """(build, dataset) for a bundled model (its shipped data) or a real-size one (synthetic)."""
     if name in realsize.MODELS:
@@ -164,9 +77,10 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
 
     Every policy gets one turn per round, each turn about `round_seconds` divided among
     them (from 1 to `max_steps` timed steps, by the step time seen while warming up), and
-    every round runs: no policy is cut off. In a policy's turn tfmp.fit and Keras fit train
-    at once in lockstep, a step of one, then a step of the other (`run_in_lockstep`), so
-    that tfmp / Keras compares steps that ran one after the other. Returns one row per policy.
+    every round runs: no policy is cut off. In a round every fit (each policy by tfmp.fit
+    and by Keras fit) trains at once in lockstep, a step of each in turn (`lockstep.run`),
+    so that tfmp / Keras and bf16 / float32 compare steps that ran one after the other, not
+    turns seconds apart. Returns one row per policy.
     """
     keras.backend.clear_session()
     build, dataset = _model_and_data(name, batch_size)
@@ -184,10 +98,11 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
             runner.step_times = []
         steps[policy] = int(np.clip(round(turn / per_step), 1, max_steps))
     for round_index in range(rounds):
-        for policy, pair in timing.in_turn(pairs, round_index):
-            order = pair if round_index % 2 == 0 else pair[::-1]  # Each goes first in every other turn.
-            for runner, rate in zip(order, run_in_lockstep(order, steps[policy]), strict=True):
-                runner.rates.append(rate)
+        # The order is reversed every other round: no fit always steps first.
+        order = [r for pair in pairs.values() for r in pair]
+        order = order if round_index % 2 == 0 else order[::-1]
+        for runner, rate in zip(order, lockstep.run(order, [steps[r.policy] for r in order]), strict=True):
+            runner.rates.append(rate)
     base = runners.get(("float32", "tfmp"))
     rows = []
     for policy in policies:

@@ -15,6 +15,12 @@ from tfmp.errors import TrainingError
 from tfmp.steps import STEP_STATE
 
 
+def examples_per_second(step_times, global_batch):
+    """Examples/second over steps of `global_batch` examples that took `step_times` seconds
+    (0.0 with none)."""
+    return len(step_times) * global_batch / sum(step_times) if step_times else 0.0
+
+
 class Throughput(keras.callbacks.Callback):
     """Measures training examples/second from the end of the warm-up steps to the last step.
 
@@ -57,8 +63,7 @@ class Throughput(keras.callbacks.Callback):
     @property
     def examples_per_second(self):
         """Examples/second over the timed steps; 0.0 before any step was timed."""
-        times = self.step_times
-        return len(times) * self.global_batch / sum(times) if times else 0.0
+        return examples_per_second(self.step_times, self.global_batch)
 
 
 def peak_memory_mb():
