@@ -111,15 +111,21 @@ class FakeCandidate:
         self.rates = itertools.cycle(self.RATES[policy])
         self.step = self.STEP_SECONDS.get(policy, 0.01)
         self.durations, self.finite, self.cut_off = [], policy in self.FINITE, False
-        self.turns = 0
+        self.turns, self.policy = 0, policy
         FakeCandidate.made[policy] = self
 
-    made = {}
+    made, log = {}, []
 
-    def run(self, steps, warmup, deadline):
-        self.durations += [self.step] * (steps + warmup)
-        self.turns += bool(steps)
-        return next(self.rates) if steps else 0.0
+    def warm_up(self, steps):
+        self.durations += [self.step] * steps
+
+    def turn(self, steps):
+        self.turns += 1
+        for _ in range(steps):
+            self.durations.append(self.step)
+            FakeCandidate.log.append(self.policy)
+            yield
+        return next(self.rates)
 
 
 @pytest.mark.parametrize(
@@ -137,6 +143,7 @@ def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_pat
     from tfmp import autotune, benchlib
 
     monkeypatch.setattr(FakeCandidate, "RATES", rates)
+    monkeypatch.setattr(FakeCandidate, "log", [])
     monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
     clock = itertools.count(0.0, 2.5)  # Each round takes 2.5 s: five or six rounds in the budget.
     decision = autotune.autotune(
@@ -144,6 +151,8 @@ def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_pat
     )
     assert decision.policy == chosen
     assert "autotune, measured now: " + chosen in decision.reason.splitlines()[0]
+    # The turns of a round ran a step of each policy in turn (steps of 0.01 s: 62 each).
+    assert FakeCandidate.log[: 2 * len(rates)] == list(rates) * 2
 
 
 def test_a_policy_far_slower_in_warm_up_takes_no_turns(monkeypatch, tmp_path):

@@ -149,3 +149,37 @@ def test_a_candidate_that_cannot_win_gets_no_more_turns():
     assert timing.losing({"float32": [100.0] * 3, "x": [90.0] * 3}, "float32", "x")
     assert not timing.losing({"float32": [100.0] * 3, "x": [100.0, 90.0, 110.0]}, "float32", "x")  # Could win.
     assert not timing.losing({"float32": [100.0] * 2, "x": [10.0] * 2}, "float32", "x")  # Too few rounds.
+
+
+def test_interleaved_turns_take_a_step_each_in_turn():
+    log = []
+
+    def turn(name, steps, rate):
+        for _ in range(steps):
+            log.append(name)
+            yield
+        return rate
+
+    results = timing.interleaved([("a", turn("a", 3, 1.0)), ("b", turn("b", 1, 2.0)), ("c", turn("c", 2, 3.0))])
+    assert log == ["a", "b", "c", "a", "c", "a"]  # b's one step done, the others go on.
+    assert results == {"a": 1.0, "b": 2.0, "c": 3.0}
+
+
+def test_alternate_interleaves_the_turns_of_a_round_in_alternating_order():
+    log = []
+
+    def runner(name, rate):
+        def run():
+            for _ in range(2):
+                log.append(name)
+                yield
+            return rate
+
+        return run
+
+    clock = itertools.count(0.0, 1.0)
+    rates = timing.alternate(
+        {"a": runner("a", 1.0), "b": runner("b", 2.0)}, 100.0, lambda: next(clock), max_rounds=2, interleave=True
+    )
+    assert log == ["a", "b", "a", "b", "b", "a", "b", "a"]  # Round 2 starts with b.
+    assert rates == {"a": [1.0, 1.0], "b": [2.0, 2.0]}

@@ -1,14 +1,14 @@
 """`--precision=autotune` (and `auto` on a bfloat16 CPU): time the candidate policies on the
 user's own model, batch and strategy, and keep the fastest one whose loss stays finite.
 
-The policies take turns of equal length for several rounds (`tfmp.timing.alternate`),
-and a mixed policy replaces float32 only when its gain is beyond the noise of those
-rounds (`tfmp.timing.decide`): never slower than float32 beyond the noise, and about a
-minute at most per model.
+The policies take turns of equal length for several rounds (`tfmp.timing.alternate`), the
+turns of a round interleaved a step of each in turn, and a mixed policy replaces float32
+only when its gain is beyond the noise of those rounds (`tfmp.timing.decide`): never
+slower than float32 beyond the noise, and about a minute at most per model.
 """
 
+import functools
 import json
-import math
 import os
 import statistics
 import time
@@ -28,31 +28,37 @@ MAX_SLOWDOWN = 3.0  # A candidate whose warm-up steps are this many times the ba
 
 
 def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=None, clock=time.perf_counter):
-    """Trains each candidate policy in alternating turns; returns (rows, `timing.Verdict`).
+    """Trains each candidate policy in alternating turns; returns (rows, `timing.Verdict`,
+    {"warm_up": seconds building and warming up, "rounds": seconds of rounds}).
 
     Each candidate is built, warmed up (`WARMUP` steps: tracing, allocation), then runs a
-    turn of about equal length per round, until it can no longer win. One whose warm-up
+    turn of about equal length per round, its steps interleaved with the others' turns,
+    until it can no longer win. One whose warm-up
     alone takes a third of the budget, or whose warm-up steps take `MAX_SLOWDOWN` times the
     baseline's (float16 on most CPUs), is cut off; one whose loss is not finite never wins.
     """
     budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
+    start = clock()
     built, per_step = {}, {}
     baseline = BASELINE if BASELINE in candidates else candidates[0]
     for policy in sorted(candidates, key=lambda p: p != baseline):  # The baseline's pace first.
         built[policy] = c = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
-        c.run(0, WARMUP, math.inf)
+        c.warm_up(WARMUP)
         per_step[policy] = statistics.median(c.durations[1:])
         hopeless = per_step[policy] > MAX_SLOWDOWN * per_step[baseline]  # No noise hides a 3x gap.
         c.cut_off = per_step[policy] * 2 > budget_seconds / 3 or hopeless
+    warmed_up = clock()
     # Turns sized for two candidates in contention: a third that is clearly slower (float16
     # on most CPUs) gets no turns after the first rounds (`timing.alternate`).
     turn = min(max(budget_seconds / (MAX_ROUNDS * min(len(candidates), 2)), 0.2), 5.0)
-    runners = {}
-    for policy, c in built.items():
-        steps = max(2, round(turn / per_step[policy]))
-        runners[policy] = lambda c=c, steps=steps: 0.0 if c.cut_off else c.run(steps, 0, math.inf)
-    # A clear verdict ends the rounds early; a close one gets up to the whole budget.
-    rates = timing.alternate(runners, budget_seconds, clock, max_rounds=MAX_ROUNDS, baseline=baseline)
+    runners = {
+        policy: functools.partial(_turn, c, max(2, round(turn / per_step[policy]))) for policy, c in built.items()
+    }
+    # The turns of a round run interleaved, a step of each candidate in turn: a slow spell
+    # of a shared machine falls on all of them. A clear verdict ends the rounds early; a
+    # close one gets up to the whole budget.
+    rates = timing.alternate(runners, budget_seconds, clock, max_rounds=MAX_ROUNDS, baseline=baseline, interleave=True)
+    seconds = {"warm_up": warmed_up - start, "rounds": clock() - warmed_up}
     usable = {p: (r if built[p].finite else [0.0] * len(r)) for p, r in rates.items()}
     verdict = timing.decide(usable, baseline)
     rows = [
@@ -67,7 +73,14 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
         }
         for p, c in built.items()
     ]
-    return rows, verdict
+    return rows, verdict, seconds
+
+
+def _turn(candidate, steps):
+    """A candidate's turn in a round (a generator, see `Candidate.turn`); none when cut off."""
+    if candidate.cut_off:
+        return 0.0
+    return (yield from candidate.turn(steps))
 
 
 def table(rows, chosen):
@@ -111,12 +124,13 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
         entry = cache[cache_key]
         how = f"autotune, cached in {path}: {entry['reason']}"
         return Decision(entry["policy"], f"{how}\n{table(entry['rows'], entry['policy'])}")
-    rows, verdict = trial(candidates, build_model, ds, strategy, global_batch, **trial_kwargs)
+    rows, verdict, seconds = trial(candidates, build_model, ds, strategy, global_batch, **trial_kwargs)
     chosen = verdict.choice
     cache[cache_key] = {
         "policy": chosen,
         "reason": verdict.reason,
         "rows": rows,
+        "seconds": seconds,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     os.makedirs(cache_dir, exist_ok=True)

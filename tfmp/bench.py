@@ -53,7 +53,9 @@ flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png g
 def _print_choices(choices):
     for c in choices:
         picks = ", ".join(
-            f"{p['policy']} ({benchrun.share_text(p)} of the fastest, {p['seconds']:.0f} s)" for p in c["picks"]
+            f"{p['policy']} ({benchrun.share_text(p)} of the fastest, {p['seconds']:.0f} s: "
+            f"{p['warm_up_seconds']:.0f} s warm-up, {p['rounds_seconds']:.0f} s rounds)"
+            for p in c["picks"]
         )
         print(f"{c['model']}: fastest in the rounds {c['fastest']}; autotune picked {picks}")
 

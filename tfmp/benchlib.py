@@ -146,9 +146,8 @@ def build_model(name, source, ds):
 
 
 class Candidate:
-    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step.
-
-    Shared by the benchmark and by `--precision=autotune`'s trial.
+    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step
+    (`--precision=autotune`'s trial).
 
     Args:
         policy: the dtype policy to build under.
@@ -165,7 +164,7 @@ class Candidate:
         self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
         self.global_batch = global_batch
         self.iterator = iter(ds.distribute(strategy))
-        self.step_times, self.cut_off, self.loss, self.memory = [], False, float("nan"), 0.0
+        self.step_times, self.cut_off, self.loss = [], False, float("nan")
         self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
 
     def _step(self):
@@ -175,20 +174,17 @@ class Candidate:
         self.finite = self.finite and bool(np.isfinite(self.loss))
         return self.durations[-1]
 
-    def run(self, steps, warmup, deadline):
-        """Runs `warmup` untimed then `steps` timed steps, stopping at `deadline`; returns
-        this round's examples/second (0.0 when no step was timed)."""
-        for _ in range(warmup):
+    def warm_up(self, steps):
+        """Runs `steps` untimed steps (tracing, allocation)."""
+        for _ in range(steps):
             self._step()
-            if time.perf_counter() > deadline:
-                self.cut_off = True
-                return 0.0
+
+    def turn(self, steps):
+        """A generator: `steps` timed steps, yielding after each (for `timing.interleaved`);
+        returns their examples/second."""
         times = []
         for _ in range(steps):
             times.append(self._step())
-            self.memory = max(self.memory, _memory_bytes())
-            if time.perf_counter() > deadline:
-                self.cut_off = True
-                break
+            yield
         self.step_times += times
         return callbacks.examples_per_second(times, self.global_batch)

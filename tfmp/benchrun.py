@@ -2,7 +2,9 @@
 alternating rounds, and the rows, table and comparisons made from them."""
 
 import functools
+import json
 import math
+import os
 import statistics
 import tempfile
 import time
@@ -242,6 +244,8 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
                 decision = autotune.autotune(
                     name, build, ds, strategy, batch_size, cache_dir, policies, budget_seconds=trial_seconds
                 )
+                with open(os.path.join(cache_dir, autotune.CACHE_FILE)) as f:
+                    (entry,) = json.load(f).values()
                 picks.append(
                     {
                         "policy": decision.policy,
@@ -250,6 +254,8 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
                         "vs_fastest_error": math.hypot(error[decision.policy], error[fastest]),
                         "vs_float32": speed[decision.policy] / speed["float32"] if "float32" in speed else None,
                         "seconds": time.perf_counter() - start,
+                        "warm_up_seconds": entry["seconds"]["warm_up"],  # Building and warming up.
+                        "rounds_seconds": entry["seconds"]["rounds"],
                         "reason": decision.reason.splitlines()[0],
                     }
                 )

@@ -129,7 +129,7 @@ def in_turn(runners, round_index):
     return order if round_index % 2 == 0 else order[::-1]
 
 
-def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12, baseline=None):
+def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=12, baseline=None, interleave=False):
     """Runs `runners` ({name: fn() -> throughput}) in turns (`in_turn`) until the budget is spent.
 
     At least `min_rounds` rounds run (unless one round alone overruns the budget, then
@@ -139,6 +139,12 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
     the budget allows. Given a `baseline`, a candidate that cannot win any more (`losing`)
     gets no further turns, leaving the time to the ones still in contention.
 
+    With `interleave`, each runner is a generator function whose turn yields after each of
+    its steps and returns its throughput; the turns of a round then run at once, a step of
+    each in turn (`interleaved`), so that the ratios of a round compare steps that ran a
+    fraction of a second apart (turns of seconds one after the other differ by 25% and
+    more on a shared machine).
+
     Returns:
         {name: [throughput per round]}; a dropped candidate's list is shorter.
     """
@@ -146,8 +152,13 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
     active = dict(runners)
     start = last = clock()
     for round_index in range(max_rounds):
-        for name, run in in_turn(active, round_index):
-            rates[name].append(run())
+        order = in_turn(active, round_index)
+        if interleave:
+            for name, rate in interleaved([(name, run()) for name, run in order]).items():
+                rates[name].append(rate)
+        else:
+            for name, run in order:
+                rates[name].append(run())
         now = clock()
         spent, per_round, last = now - start, now - last, now
         enough = round_index + 1 >= min_rounds
@@ -158,6 +169,20 @@ def alternate(runners, budget_seconds, clock, min_rounds=MIN_ROUNDS, max_rounds=
         if baseline and enough:
             active = {n: run for n, run in active.items() if n == baseline or not losing(rates, baseline, n)}
     return rates
+
+
+def interleaved(turns):
+    """Runs generator turns ([(name, generator)]) a step of each in turn, in the given
+    order, until every one has returned; {name: what it returned}."""
+    results, live = {}, list(turns)
+    while live:
+        for name, turn in list(live):
+            try:
+                next(turn)
+            except StopIteration as stop:
+                results[name] = stop.value
+                live.remove((name, turn))
+    return results
 
 
 def losing(rates, baseline, name, min_gain=MIN_GAIN, z=Z):

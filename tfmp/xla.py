@@ -2,7 +2,7 @@
 
 "auto" compiles the step with XLA (a model XLA cannot compile runs without it, after one
 warning line) and then times the forward and backward passes with and without XLA, in
-alternating rounds on a batch of ones, keeping XLA only when it is clearly faster (see
+alternating rounds on a batch of ones (a call of each in turn), keeping XLA only when it is clearly faster (see
 `tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
 statistics, dropout seeds) is put back afterwards. On several workers, which would time
 differently and must all run the same collectives, and under op determinism, where reruns
@@ -91,13 +91,16 @@ def _throughput(steps, jit, batches, repeats):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(b,)), axis=None)
 
     run(batches).numpy()  # Trace and compile.
-    examples = repeats * len(batches) * int(tf.shape(tf.nest.flatten(batches[0])[0])[0])
+    examples = len(batches) * int(tf.shape(tf.nest.flatten(batches[0])[0])[0])
 
-    def timed():
-        start = time.perf_counter()
+    def timed():  # A turn of `repeats` calls, yielding after each (`timing.interleaved`).
+        seconds = 0.0
         for _ in range(repeats):
+            start = time.perf_counter()
             run(batches).numpy()
-        return examples / (time.perf_counter() - start)
+            seconds += time.perf_counter() - start
+            yield
+        return repeats * examples / seconds
 
     return timed
 
@@ -111,12 +114,12 @@ def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
     saved = [v.numpy() for v in model.non_trainable_variables]
     try:
         with steps.strategy.scope():
-            off = _throughput(steps, False, batches, 1)
+            once = _throughput(steps, False, batches, 1)()  # Traced; one call, to size the turns.
             start = clock()
-            off()
+            timing.interleaved([(OFF, once)])
             repeats = int(np.clip(TURN_SECONDS / max(clock() - start, 1e-6), 1, 50))
             runners = {OFF: _throughput(steps, False, batches, repeats), ON: _throughput(steps, True, batches, repeats)}
-            return timing.alternate(runners, budget_seconds, clock, baseline=OFF)
+            return timing.alternate(runners, budget_seconds, clock, baseline=OFF, interleave=True)
     finally:
         with steps.strategy.scope():
             for v, value in zip(model.non_trainable_variables, saved, strict=True):
