@@ -116,6 +116,15 @@ def test_distribute_feeds_every_replica(mirrored):
     assert [tuple(x.shape) for x in per_replica] == [(8, 28, 28, 1), (8, 28, 28, 1)]
 
 
+def test_distribute_merges_given_options_into_the_pipeline():
+    ds = data.load("digits", 16, drop_remainder=True)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # What autotune's trial gives its candidates.
+    single = ds.distribute(tf.distribute.get_strategy(), options=options)
+    assert single.options().autotune.enabled is False and single.options().deterministic  # Its own kept.
+    assert ds.distribute(tf.distribute.get_strategy()).options().autotune.enabled is not False
+
+
 def test_resume_position_is_exact_and_its_cost_does_not_grow_with_the_step():
     """In-memory data: the batch at step k of a fresh stream is the first batch of a stream
     resumed at k, across epoch boundaries; resuming at step 10^9 skips integers only (a

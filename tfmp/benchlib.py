@@ -145,6 +145,14 @@ def build_model(name, source, ds):
     )
 
 
+# Without tf.data's autotuning, whose thread made deleting an iterator that had run for the
+# half minute of a trial wait 12-25 s (in three of four trials, seen on 2 CPU cores: a
+# trial of 45 s took 60-85). The parallel maps then run on every core; every candidate
+# reads the same pipeline, so the comparison stays even.
+_TRIAL_INPUT = tf.data.Options()
+_TRIAL_INPUT.autotune.enabled = False
+
+
 class Candidate:
     """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step
     (`--precision=autotune`'s trial).
@@ -163,7 +171,7 @@ class Candidate:
             self.model = models.compile(build_model(), loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)))
         self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
         self.global_batch = global_batch
-        self.iterator = iter(ds.distribute(strategy))
+        self.iterator = iter(ds.distribute(strategy, options=_TRIAL_INPUT))
         self.step_times, self.cut_off, self.loss = [], False, float("nan")
         self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
 

@@ -41,7 +41,7 @@ class Data:
         """The training batches at the global batch size, for one process."""
         return self.make_train()
 
-    def distribute(self, strategy, skip_steps=0):
+    def distribute(self, strategy, skip_steps=0, options=None):
         """Training input for `strategy`: each worker builds and reads only its own shard.
 
         Uses `distribute_datasets_from_function`, so a multi-worker or TPU-pod job reads
@@ -52,12 +52,15 @@ class Data:
             skip_steps: training steps already done (a resumed run): the seeded order is
                 replayed and that many steps' batches are skipped, so the input continues
                 exactly where the checkpoint left it.
+            options: `tf.data.Options` to merge into each pipeline's own, if any.
         """
         if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
-            return self.make_train(skip=skip_steps) if skip_steps else self.train
+            ds = self.make_train(skip=skip_steps) if skip_steps else self.train
+            return ds.with_options(options) if options else ds
 
         def dataset_fn(context):
-            return self.make_train(context, skip=skip_steps)
+            ds = self.make_train(context, skip=skip_steps)
+            return ds.with_options(options) if options else ds
 
         return strategy.distribute_datasets_from_function(dataset_fn)
 
