@@ -219,6 +219,12 @@ def share_text(pick):
     return f"{100 * pick['vs_fastest']:.1f}%" + (f" ±{100 * error:.1f}" if error else "")
 
 
+def _speedup(row):
+    """A row's median speedup over float32, with its standard error (none for float32)."""
+    error = row.get("speedup_vs_float32_error")
+    return f"{row['speedup_vs_float32']:.2f}x" + (f" ±{error:.2f}" if error else "")
+
+
 def _rate(value):
     return f"{value:,.1f}" if value < 100 else f"{value:,.0f}"
 
@@ -309,7 +315,7 @@ def markdown(result):
         possible, share = r["possible_speedup"][kind], r["share_of_possible_gain"]
         out.append(
             f"| {r['model']} | {r['policy']} | {_rate(r['examples_per_second'])} | "
-            f"{r['speedup_vs_float32']:.2f}x | {f'{possible:.2f}x {kind}' if possible else '-'} | "
+            f"{_speedup(r)} | {f'{possible:.2f}x {kind}' if possible else '-'} | "
             f"{f'{100 * share:.0f}%' if share is not None else '-'} | {_rate(r['keras_fit_examples_per_second'])} | "
             f"{_versus_keras(r)} | "
             f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
