@@ -312,3 +312,23 @@ def test_preempted_wrapped_by_tracing_still_exits_75_with_one_line(capsys):
     assert capsys.readouterr().err.strip() == "train.py: preempted: SIGTERM outside training"
     with pytest.raises(ValueError), cli.user_errors("train.py"):
         raise ValueError("not a preemption")
+
+
+def test_preempted_inside_a_keras_layer_still_exits_75_with_one_line(capsys):
+    """A Keras layer re-raises what its call raised as a new exception of the same class,
+    its message grown by the layer's name and arguments (a CI run of
+    test_sigterm_at_any_moment_exits_75_with_one_line printed seven lines)."""
+    import keras
+    import numpy as np
+
+    from tfmp import cli
+    from tfmp.errors import Preempted
+
+    class Interrupted(keras.layers.Layer):
+        def call(self, x):
+            raise Preempted("SIGTERM outside training")
+
+    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
+        Interrupted()(np.zeros((2, 3), "float32"))
+    assert exit_info.value.code == 75
+    assert capsys.readouterr().err.strip() == "train.py: preempted: SIGTERM outside training"

@@ -107,7 +107,9 @@ def user_errors(prog):
         print(f"{prog}: training stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except Preempted as e:
-        print(f"{prog}: preempted: {e}", file=sys.stderr, flush=True)
+        # A Keras layer that was running re-raises it as a new Preempted whose message
+        # adds the layer's name and arguments on several lines: the first one is SIGTERM's.
+        print(f"{prog}: preempted: {_innermost(e, Preempted)}", file=sys.stderr, flush=True)
         sys.exit(75)
     except PeerLost as e:
         print(f"{prog}: lost a peer: {e}", file=sys.stderr, flush=True)
@@ -115,19 +117,20 @@ def user_errors(prog):
     except Exception as e:
         # SIGTERM's `Preempted` raised while TensorFlow traces a function comes out wrapped
         # (autograph's StagingError, its context the Preempted): still a preemption.
-        preempted = _in_chain(e, Preempted)
+        preempted = _innermost(e, Preempted)
         if preempted is None:
             raise
         print(f"{prog}: preempted: {preempted}", file=sys.stderr, flush=True)
         sys.exit(75)
 
 
-def _in_chain(error, kind):
-    """The first exception of `kind` among `error`'s causes and contexts, or None."""
-    seen = set()
+def _innermost(error, kind):
+    """The innermost exception of `kind` among `error` and its causes and contexts (the
+    one first raised), or None."""
+    seen, found = set(), None
     while error is not None and id(error) not in seen:
         if isinstance(error, kind):
-            return error
+            found = error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return None
+    return found
