@@ -106,17 +106,14 @@ def user_errors(prog):
     except TrainingError as e:
         print(f"{prog}: training stopped: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except Preempted as e:
-        # A Keras layer that was running re-raises it as a new Preempted whose message
-        # adds the layer's name and arguments on several lines: the first one is SIGTERM's.
-        print(f"{prog}: preempted: {_innermost(e, Preempted)}", file=sys.stderr, flush=True)
-        sys.exit(75)
     except PeerLost as e:
         print(f"{prog}: lost a peer: {e}", file=sys.stderr, flush=True)
         sys.exit(76)
     except Exception as e:
-        # SIGTERM's `Preempted` raised while TensorFlow traces a function comes out wrapped
-        # (autograph's StagingError, its context the Preempted): still a preemption.
+        # SIGTERM's `Preempted`, as raised or wrapped: while TensorFlow traces a function,
+        # in autograph's StagingError (its context the Preempted); in a Keras layer's call,
+        # as a new Preempted whose message adds the layer's name and arguments on several
+        # lines. The innermost one holds SIGTERM's own line.
         preempted = _innermost(e, Preempted)
         if preempted is None:
             raise
