@@ -33,9 +33,9 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
 
     Each candidate is built, warmed up (`WARMUP` steps: tracing, allocation), then runs a
     turn of about equal length per round, its steps interleaved with the others' turns,
-    until it can no longer win. One whose warm-up
-    alone takes a third of the budget, or whose warm-up steps take `MAX_SLOWDOWN` times the
-    baseline's (float16 on most CPUs), is cut off; one whose loss is not finite never wins.
+    until it can no longer win. One whose warm-up alone takes a third of the budget, or
+    whose warm-up steps take `MAX_SLOWDOWN` times the baseline's (float16 on most CPUs), is
+    cut off; one whose loss is not finite never wins.
     """
     budget_seconds = TRIAL_SECONDS if budget_seconds is None else budget_seconds
     start = clock()

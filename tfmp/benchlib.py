@@ -172,7 +172,7 @@ class Candidate:
         self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
         self.global_batch = global_batch
         self.iterator = iter(ds.distribute(strategy, options=_TRIAL_INPUT))
-        self.step_times, self.cut_off, self.loss = [], False, float("nan")
+        self.cut_off, self.loss = False, float("nan")
         self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
 
     def _step(self):
@@ -194,5 +194,4 @@ class Candidate:
         for _ in range(steps):
             times.append(self._step())
             yield
-        self.step_times += times
         return callbacks.examples_per_second(times, self.global_batch)

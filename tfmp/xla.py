@@ -3,8 +3,8 @@
 "auto" compiles the step with XLA (a model XLA cannot compile runs without it, after one
 warning line) and then times the forward and backward passes with and without XLA, in
 alternating rounds on a batch of ones (a call of each in turn), keeping XLA only when it
-is clearly faster (see `tfmp.timing`). The timing changes nothing: the layers' non-trainable state (batch-norm
-statistics, dropout seeds) is put back afterwards. On several workers, which would time
+is clearly faster (see `tfmp.timing`). The timing changes nothing: the layers'
+non-trainable state (batch-norm statistics, dropout seeds) is put back afterwards. On several workers, which would time
 differently and must all run the same collectives, and under op determinism, where reruns
 must match bit for bit, "auto" follows a rule instead: XLA on GPUs, not on CPUs (TPUs
 always compile with XLA).
