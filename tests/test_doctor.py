@@ -177,3 +177,126 @@ def test_doctor_command_and_train_diagnose(tmp_path):
     dtypes = {r["name"]: r["compute_dtype"] for r in layers}
     assert dtypes["conv0a"] == dtypes["conv0b"] == "float32" and dtypes["conv1a"] == "float16"
     assert (tmp_path / "run" / "doctor" / "gradients.png").exists()
+
+
+class Energy(keras.layers.Layer):
+    """A user's weightless layer: sum((50 x)^2), about 1e5 here, beyond float16's 65504."""
+
+    def call(self, x):
+        return keras.ops.sum(keras.ops.square(x * 50.0), axis=-1, keepdims=True)
+
+
+def energy_model():
+    """Functional, with a weightless custom layer whose output leaves float16's range and a
+    Lambda holding a Python lambda that brings it back (log1p): the doctor must name both."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, name="dense")(inputs)
+    x = Energy(name="energy")(x)
+    x = keras.layers.Lambda(lambda t: keras.ops.log1p(t), name="squash")(x)
+    outputs = keras.layers.Dense(1, dtype="float32", name="head")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    return model
+
+
+class Subclassed(keras.Model):
+    """A subclassed model; its `scale` sublayer's outputs reach about 2e5."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(16, name="dense")
+        self.scale = keras.layers.Rescaling(1e4, name="scale")
+        small = keras.initializers.RandomNormal(stddev=1e-5)  # Back to the targets' scale, as in `overflowing`.
+        self.head = keras.layers.Dense(1, dtype="float32", kernel_initializer=small, name="head")
+
+    def call(self, x):
+        return self.head(self.scale(self.dense(x)))
+
+
+def _state(model):
+    """What diagnose must leave as it found it."""
+    layers = [model, *model._flatten_layers(include_self=False)]  # noqa: SLF001 - what the doctor touched.
+    return {
+        "weights": [w.numpy().copy() for w in model.weights],
+        "policies": [layer._dtype_policy for layer in layers],  # noqa: SLF001 - the same objects.
+        "shadowed": [layer for layer in layers if "call" in layer.__dict__],
+        "iterations": int(model.optimizer.iterations.numpy()),
+        "prediction": model.predict(X[:8], verbose=0),
+    }
+
+
+def _assert_same_state(before, after):
+    for a, b in zip(before["weights"], after["weights"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all(a is b for a, b in zip(before["policies"], after["policies"], strict=True))
+    assert after["shadowed"] == [] and before["iterations"] == after["iterations"]
+    np.testing.assert_array_equal(before["prediction"], after["prediction"])
+
+
+def test_doctor_to_fix_on_a_model_with_a_lambda_and_a_weightless_layer():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = energy_model()
+    before = _state(model)
+    diagnosis = tfmp.diagnose(model, data(), steps=4)
+    _assert_same_state(before, _state(model))
+    # The layer whose output leaves float16's range, and the Lambda that would cast it back
+    # to float16 before reducing it; not the Dense layers around them.
+    assert diagnosis.keep_float32 == ["energy", "squash"]
+    records = {r["name"]: r for r in diagnosis.layers}
+    assert records["energy"]["forward_overflow"] and not records["energy"]["input_overflow"]
+    assert records["squash"]["input_overflow"] and records["squash"]["output_max_abs"] < 20
+    assert "casts a value beyond float16" in diagnosis.table()
+
+    # The energy layer alone is not enough: the Lambda computes in float16 and casts 1e5 to inf.
+    tfmp.keep_float32(model, ["energy"])
+    with pytest.raises(tfmp.TrainingError, match="non-finite"):
+        tfmp.fit(model, data(), epochs=2, verbose=0)
+
+    model = energy_model()
+    kept = tfmp.keep_float32(model, diagnosis.keep_float32)  # On the built model: one line.
+    assert sorted(kept) == ["energy", "squash"]
+    dtypes = {r["path"]: r["compute_dtype"] for r in tfmp.audit(model).layers}
+    assert dtypes == {"dense": "float16", "energy": "float32", "squash": "float32", "head": "float32"}
+    scale = diagnosis.recommended_loss_scale
+    model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-3), initial_scale=scale), "mse")
+    history = tfmp.fit(model, data(), epochs=3, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and history.history["loss"][-1] < history.history["loss"][0]
+    assert int(model.optimizer.iterations.numpy()) >= 20  # Hardly any of the 24 updates skipped.
+
+
+def test_diagnose_subclassed_and_nested_models():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Subclassed()
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    model(X[:2])
+    before = _state(model)
+    diagnosis = tfmp.diagnose(model, data(), steps=2)
+    _assert_same_state(before, _state(model))
+    assert [r["name"] for r in diagnosis.layers] == ["subclassed/dense", "subclassed/scale", "subclassed/head"]
+    assert diagnosis.keep_float32 == ["subclassed/scale"]  # The float32 head takes its output as it is.
+    assert tfmp.keep_float32(model, diagnosis.keep_float32) == ["subclassed/scale"]
+    assert model.scale.compute_dtype == "float32" and model.dense.compute_dtype == "float16"
+    assert "subclassed/scale                 Rescaling              float32" in tfmp.audit(model).table()
+
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([keras.Input((16,)), keras.layers.Rescaling(1e4, name="blowup")], name="block")
+    inputs = keras.Input((8,))
+    small = keras.initializers.RandomNormal(stddev=1e-5)
+    outputs = keras.layers.Dense(1, dtype="float32", kernel_initializer=small, name="out")(
+        block(keras.layers.Dense(16, name="dense")(inputs))
+    )
+    nested = keras.Model(inputs, outputs)
+    nested.compile(keras.optimizers.Adam(1e-4), "mse")
+    diagnosis = tfmp.diagnose(nested, data(), steps=2)
+    names = [r["name"] for r in diagnosis.layers]
+    assert names == ["dense", "block", "block/blowup", "out"] or names == ["dense", "block", "blowup", "out"]
+    assert diagnosis.keep_float32 == [names[2]]  # The layer inside, not the model holding it.
+
+
+def test_keep_float32_on_a_built_model_refuses_unknown_names():
+    model = energy_model()
+    with pytest.raises(tfmp.UsageError, match="'energyy' matches no layer"):
+        tfmp.keep_float32(model, ["energyy"])
+    with pytest.raises(tfmp.UsageError, match="not a regular expression"):
+        tfmp.keep_float32(model, ["("])

@@ -18,6 +18,7 @@ if __name__ == "__main__":  # python -m tfmp.doctor: start quietly, before Tenso
 
     doctor_cli.run()
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -28,7 +29,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp.errors import UsageError, first_line  # noqa: E402
+from tfmp import keras_compat  # noqa: E402
+from tfmp.errors import UsageError  # noqa: E402
 
 FLOAT16_MAX = 65504.0
 FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
@@ -39,42 +41,72 @@ BFLOAT16_TOLERANCE = 0.05  # Relative output error that marks a layer as bfloat1
 _BINS = np.arange(-100, 41)  # Integer log2 bins: a power-of-two scale shifts them exactly.
 
 
-def _layers(model):
-    return [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+class _Calls:
+    """What the layers' calls saw during a forward pass, per layer (an index into `layers`):
+    the largest |input| that the layer casts to its compute dtype and the largest |output|
+    over every call while `recording`; and, per pass, the layers in the order their calls
+    began and finished, with their outputs."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self._index = {id(layer): i for i, layer in enumerate(layers)}
+        self.input_max = np.zeros(len(layers))
+        self.output_max = np.zeros(len(layers))
+        self.recording = False
+        self.new_pass()
+
+    def new_pass(self):
+        self.started, self.finished = [], []
+
+    def start(self, layer):
+        self.started.append(self._index[id(layer)])
+
+    def __call__(self, layer, args, kwargs, outputs):
+        i = self._index[id(layer)]
+        self.finished.append((i, outputs))
+        if self.recording:
+            if keras_compat.casts_inputs(layer):
+                self.input_max[i] = max(self.input_max[i], _max_abs((args, kwargs)))
+            self.output_max[i] = max(self.output_max[i], _max_abs(outputs))
+
+    def outputs(self):
+        """Each layer's outputs in this pass (a list per layer: one item per call)."""
+        per_layer = [[] for _ in self.layers]
+        for i, outputs in self.finished:
+            per_layer[i].append(outputs)
+        return per_layer
 
 
-def _copy(model, dtype):
-    """A copy of a functional or Sequential model with every layer in `dtype`, same weights."""
-
-    def clone_layer(layer):
-        config = layer.get_config()
-        if isinstance(layer, keras.layers.Layer):  # Not the bare operations (x + y) of a graph.
-            config["dtype"] = dtype
-        return layer.__class__.from_config(config)
-
-    try:
-        copy = keras.models.clone_model(model, clone_function=clone_layer)
-        copy.set_weights(model.get_weights())
-    except Exception as e:  # noqa: BLE001 - subclassed models and layers without get_config fail in many ways.
-        raise UsageError(
-            f"diagnose needs a functional or Sequential model whose layers have get_config ({type(e).__name__}: "
-            f"{first_line(e, 160, default='')})"
-        ) from e
-    return copy
+def _floats(structure):
+    """The floating-point tensors in a nest (not masks, flags or integer ids)."""
+    tensors = []
+    for t in tf.nest.flatten(structure, expand_composites=False):
+        if isinstance(t, tf.IndexedSlices):
+            t = t.values
+        if isinstance(t, (tf.Tensor, tf.Variable, np.ndarray)) and t.dtype in _FLOATING:
+            tensors.append(t)
+    return tensors
 
 
-def _probe(model):
-    """A model returning the predictions and every layer's output(s), sharing `model`'s layers."""
-    layers = _layers(model)
-    if isinstance(model, keras.Sequential):  # Its layers may never have been called symbolically.
-        x = inputs = keras.Input(batch_shape=model.inputs[0].shape, dtype=model.inputs[0].dtype)
-        outs = []
-        for layer in layers:
-            x = layer(x)
-            outs.append(x)
-        return keras.Model(inputs, {"prediction": x, "layers": outs}), layers
-    outputs = {"prediction": model.output, "layers": [layer.output for layer in layers]}
-    return keras.Model(model.inputs, outputs), layers
+_FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64, np.float16, np.float32, np.float64)
+
+
+def _max_abs(structure):
+    values = [np.abs(np.asarray(t, np.float64)) for t in _floats(structure)]
+    return max((float(np.nanmax(v, initial=0.0)) for v in values), default=0.0)
+
+
+def _finite(structure):
+    return all(bool(np.isfinite(np.asarray(t, np.float32)).all()) for t in _floats(structure))
+
+
+def _owners(layers):
+    """Per trainable variable (by id), the index of the innermost layer in `layers` holding it."""
+    owner = {}
+    for i, layer in enumerate(layers):  # Parents come before their children: the last one wins.
+        for v in layer.trainable_weights:
+            owner[id(v)] = i
+    return owner
 
 
 def _abs_values(tensors):
@@ -137,6 +169,8 @@ class Diagnosis:
         lines = [head]
         for r in self.layers:
             mark = "  <- exceeds float16" if r["forward_overflow"] else ""
+            if r["input_overflow"]:
+                mark += "  <- casts a value beyond float16"
             lines.append(
                 f"{r['name'][:24]:24s} {r['compute_dtype']:8s} "
                 f"{r['output_max_abs']:10.3g} {r['gradient_max_abs']:10.3g} "
@@ -186,68 +220,113 @@ class Diagnosis:
         return path
 
 
-def _loss(model, y, y_pred, sample_weight, copy):
+def _loss(model, y, y_pred, sample_weight):
     compiled = getattr(model, "_compile_loss", None)
     terms = [compiled(y, y_pred, sample_weight)] if compiled is not None else []
-    terms += list(copy.losses)
+    terms += list(model.losses)
     if not terms:
         raise UsageError("diagnose needs a compiled loss (model.compile(loss=...)) or layer losses")
     return tf.add_n([tf.cast(t, tf.float32) for t in terms])
 
 
+def _relative_error(low, ref):
+    a = np.concatenate([np.asarray(t, np.float64).ravel() for t in _floats(low)] or [np.zeros(0)])
+    b = np.concatenate([np.asarray(t, np.float64).ravel() for t in _floats(ref)] or [np.zeros(0)])
+    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30)) if a.shape == b.shape else 0.0
+
+
+class _Session:
+    """The user's model, its layers watched and its variables put back on exit: diagnose
+    trains it in float32 for a few steps, and the model is as it was afterwards."""
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = keras_compat.sublayers(model)
+        if not self.layers:
+            raise UsageError(f"diagnose found no layers in {type(model).__name__}; build it by calling it first")
+        self.calls = _Calls(self.layers)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self):
+        saved = [(v, v.numpy()) for v in self.model.variables]
+        self._stack.callback(lambda: [v.assign(value) for v, value in saved])
+        self._stack.enter_context(keras_compat.watching_calls(self.layers, self.calls, self.calls.start))
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.__exit__(*exc)
+
+    def forward(self, x, policy=None, training=False):
+        """The model's prediction, every layer computing in `policy` (default: its own)."""
+        self.calls.new_pass()
+        if policy is None:
+            return self.model(x, training=training)
+        with keras_compat.policies([self.model, *self.layers], policy):
+            return self.model(x, training=training)
+
+
 def diagnose(model, data, steps=8):
-    """Runs `steps` float32 training steps on a copy of `model` and reports, per layer, what
-    float16 and bfloat16 would do to its outputs and gradients. `model` is not changed.
+    """Runs `steps` float32 training steps of `model` and reports, per layer, what float16
+    and bfloat16 would do to its outputs and gradients. The model is not copied, so any
+    model `tfmp.fit` trains can be diagnosed (Sequential, functional with Lambda layers,
+    subclassed); it is as it was afterwards (weights, optimizer, dtype policies).
 
     Args:
-        model: a compiled functional or Sequential Keras model, in any policy.
+        model: a compiled Keras model, in any policy.
         data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches.
         steps: batches to train on and measure.
 
     Returns:
-        A `Diagnosis`.
+        A `Diagnosis`. Its `keep_float32` names each layer whose output exceeds float16's
+        maximum, and each layer that would cast such a value back to float16 (its
+        consumers): with all of them in float32 the model trains in mixed_float16.
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
-    copy = _copy(model, "float32")
-    probe, layers = _probe(copy)
-    low_copy = _copy(model, "mixed_bfloat16")
-    low_probe, _ = _probe(low_copy)
-    inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
-    optimizer = inner.__class__.from_config(inner.get_config())
-    names = [layer.path or layer.name for layer in _layers(model)]
-    dtypes = [layer.compute_dtype for layer in _layers(model)]
-    out_max = np.zeros(len(layers))
-    hist = np.zeros((len(layers), len(_BINS)), dtype=np.int64)
-    zeros = np.zeros(len(layers), dtype=np.int64)
-    grad_max = np.zeros(len(layers))
-    bf16_error = np.zeros(len(layers))
-    done = 0
-    for batch in data.take(steps):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        with tf.GradientTape() as tape:
-            out = probe(x, training=True)
-            loss = _loss(model, y, out["prediction"], sample_weight, copy)
-        variables = [layer.trainable_variables for layer in layers]
-        grads = tape.gradient(loss, variables)
-        for i, (values, layer_grads) in enumerate(zip(out["layers"], grads, strict=True)):
-            out_max[i] = max(out_max[i], float(_abs_values(values).max(initial=0.0)))
-            g = _abs_values(layer_grads)
-            counts, z = _log2_histogram(g)
-            hist[i] += counts
-            zeros[i] += z
-            grad_max[i] = max(grad_max[i], float(g.max(initial=0.0)))
-        if done == 0:  # bfloat16: the same batch forward, each layer's output against float32's.
-            low = low_probe(x, training=False)["layers"]
-            ref = probe(x, training=False)["layers"]
-            for i, (a, b) in enumerate(zip(low, ref, strict=True)):
-                fa = np.concatenate([np.asarray(t, np.float64).ravel() for t in tf.nest.flatten(a)])
-                fb = np.concatenate([np.asarray(t, np.float64).ravel() for t in tf.nest.flatten(b)])
-                bf16_error[i] = float(np.linalg.norm(fa - fb) / (np.linalg.norm(fb) + 1e-30))
-        optimizer.apply([g for group in grads for g in group], [v for group in variables for v in group])
-        done += 1
+    with _Session(model) as session:
+        layers, calls = session.layers, session.calls
+        dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
+        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+        with model.distribute_strategy.scope():
+            optimizer = inner.__class__.from_config(inner.get_config())
+        variables = list(model.trainable_variables)
+        owner = _owners(layers)
+        hist = np.zeros((len(layers), len(_BINS)), dtype=np.int64)
+        zeros = np.zeros(len(layers), dtype=np.int64)
+        grad_max = np.zeros(len(layers))
+        bf16_error = np.zeros(len(layers))
+        order, done = None, 0
+        for batch in data.take(steps):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            if done == 0:  # bfloat16: the same batch forward, each layer's output against float32's.
+                session.forward(x, "float32")
+                ref, order = calls.outputs(), list(dict.fromkeys(calls.started))
+                session.forward(x, "mixed_bfloat16")
+                for i, (low, high) in enumerate(zip(calls.outputs(), ref, strict=True)):
+                    bf16_error[i] = _relative_error(low, high)
+            calls.recording = True
+            with keras_compat.policies([model, *layers], "float32"), tf.GradientTape() as tape:
+                loss = _loss(model, y, session.forward(x, training=True), sample_weight)
+            calls.recording = False
+            grads = tape.gradient(loss, variables)
+            for v, g in zip(variables, grads, strict=True):
+                if g is None or id(v) not in owner:
+                    continue
+                values = _abs_values(g)
+                counts, z = _log2_histogram(values)
+                i = owner[id(v)]
+                hist[i] += counts
+                zeros[i] += z
+                grad_max[i] = max(grad_max[i], float(values.max(initial=0.0)))
+            optimizer.apply(grads, variables)
+            done += 1
     if not done:
         raise UsageError("diagnose got no batches from the data")
+    order += [i for i in range(len(layers)) if i not in order]  # Layers the forward pass never called.
+    return _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, done)
+
+
+def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, steps):
     any_low = any(d in ("float16", "bfloat16") for d in dtypes)
     # Only low-precision layers' gradients live in float16; float32 layers' never overflow it.
     low = [i for i, d in enumerate(dtypes) if d != "float32" or not any_low]
@@ -256,16 +335,25 @@ def diagnose(model, data, steps=8):
     if largest > 0:
         scale = 2.0 ** math.floor(math.log2(FLOAT16_MAX * HEADROOM / largest))
     scale = float(min(max(scale, 1.0), MAX_SCALE))
+    index = {id(layer): i for i, layer in enumerate(layers)}
+    overflows = calls.output_max > FLOAT16_MAX
     records, keep = [], []
-    for i, name in enumerate(names):
-        overflow = bool(out_max[i] > FLOAT16_MAX)
+    for i in order:
+        layer = layers[i]
+        name = layer.path or layer.name
+        inside = [index[id(sub)] for sub in keras_compat.sublayers(layer) if id(sub) in index]
+        # A layer that only passes on what an inner layer made too large is not the culprit.
+        overflow = bool(overflows[i] and not overflows[inside].any())
+        consumer = bool(calls.input_max[i] > FLOAT16_MAX)
         grad_overflow = bool(grad_max[i] > FLOAT16_MAX)
         records.append(
             {
                 "name": name,
-                "class": type(layers[i]).__name__,
+                "class": type(layer).__name__,
                 "compute_dtype": dtypes[i],
-                "output_max_abs": out_max[i],
+                "input_max_abs": calls.input_max[i],
+                "input_overflow": consumer,
+                "output_max_abs": calls.output_max[i],
                 "forward_overflow": overflow,
                 "gradient_max_abs": grad_max[i],
                 "gradient_overflow_at_1": grad_overflow,
@@ -279,14 +367,14 @@ def diagnose(model, data, steps=8):
         )
         # Only layers that would compute in low precision need keeping (all, for a model
         # that is float32 throughout, diagnosed before choosing a mixed policy).
-        if (overflow or grad_overflow) and (dtypes[i] != "float32" or not any_low):
+        if (overflow or consumer or grad_overflow) and (dtypes[i] != "float32" or not any_low):
             keep.append(name)
     return Diagnosis(
         layers=records,
         keep_float32=keep,
         recommended_loss_scale=scale,
-        bfloat16_sensitive=[n for n, e in zip(names, bf16_error, strict=True) if e > BFLOAT16_TOLERANCE],
-        steps=done,
+        bfloat16_sensitive=[r["name"] for r in records if r["bfloat16_relative_error"] > BFLOAT16_TOLERANCE],
+        steps=steps,
         histogram={"log2_bins": _BINS.tolist(), "counts": hist.sum(0).tolist()},
     )
 
@@ -296,8 +384,9 @@ def localize_non_finite(model, batch, loss_scale=None):
     non-finite value appeared, and what would help.
 
     Returns:
-        One sentence: the first layer (in forward order) whose output is not finite, or,
-        with finite outputs, the layer nearest the loss whose weight gradient is not.
+        One sentence: the first layer (in the order the layers' calls finished) whose
+        output is not finite, or, with finite outputs, the layer nearest the loss whose
+        weight gradient is not.
     """
     broken = next((w.path for w in model.weights if not np.isfinite(np.asarray(w, np.float32)).all()), None)
     if broken:
@@ -305,18 +394,18 @@ def localize_non_finite(model, batch, loss_scale=None):
             f"the weights are non-finite already (first: {broken}), so the replay cannot tell where it began; "
             "rerun from the last checkpoint, or diagnose the model with tfmp.diagnose"
         )
-    try:
-        probe, layers = _probe(model)
-    except Exception:  # noqa: BLE001 - subclassed models have no graph to probe.
-        return "replay not possible for this model (no functional graph)"
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    with tf.GradientTape() as tape:
-        out = probe(x, training=False)
-        loss = _loss(model, y, out["prediction"], sample_weight, model) * (loss_scale or 1.0)
-    for layer, values in zip(layers, out["layers"], strict=True):
-        finite = all(bool(np.isfinite(np.asarray(t, np.float32)).all()) for t in tf.nest.flatten(values))
-        name = layer.path or layer.name
-        if not finite:
+    with _Session(model) as session:
+        layers = session.layers
+        variables = list(model.trainable_variables)
+        with tf.GradientTape() as tape:
+            loss = _loss(model, y, session.forward(x), sample_weight) * (loss_scale or 1.0)
+        finished = list(session.calls.finished)
+        grads = tape.gradient(loss, variables)
+    for i, outputs in finished:
+        layer = layers[i]
+        if not _finite(outputs):
+            name = layer.path or layer.name
             fix = (
                 f"keeping it in float32 would help (tfmp.keep_float32([{name!r}]) or --keep_float32={name})"
                 if layer.compute_dtype in ("float16", "bfloat16")
@@ -324,9 +413,11 @@ def localize_non_finite(model, batch, loss_scale=None):
             )
             where = f"layer {name!r} ({type(layer).__name__}, {layer.compute_dtype})"
             return f"first non-finite output: {where}; {fix}"
-    grads = tape.gradient(loss, [layer.trainable_variables for layer in layers])
-    for layer, layer_grads in reversed(list(zip(layers, grads, strict=True))):
-        if not all(bool(np.isfinite(np.asarray(g, np.float32)).all()) for g in layer_grads if g is not None):
+    owner = _owners(layers)
+    bad = {owner.get(id(v)) for v, g in zip(variables, grads, strict=True) if g is not None and not _finite(g)}
+    for i in reversed(list(dict.fromkeys(i for i, _ in finished))):
+        if i in bad:
+            layer = layers[i]
             fix = (
                 f"a lower loss scale would help (it was {loss_scale:g})"
                 if loss_scale and loss_scale > 1

@@ -2,6 +2,8 @@
 
 import keras
 
+from tfmp import keras_compat
+
 _LOW = ("float16", "bfloat16")
 _SQUASHERS = ("softmax", "sigmoid")
 
@@ -60,22 +62,61 @@ def _squashes_in_low_precision(layer):
     return None
 
 
+class Audit(list):
+    """The problems `audit` found (a list of strings: empty when there are none), and
+    `layers`: every layer's path, class, compute dtype and variable dtype."""
+
+    def __init__(self, problems, layers, outputs_checked):
+        super().__init__(problems)
+        self.layers = layers
+        self.outputs_checked = outputs_checked
+
+    def table(self):
+        """Each layer and the dtype it computes in, then the problems."""
+        lines = [f"{'layer':32s} {'class':22s} {'compute':9s} variables"]
+        lines += [
+            f"{r['path'][:32]:32s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']}"
+            for r in self.layers
+        ]
+        if not self.outputs_checked:
+            lines.append("outputs not checked: the model has no functional graph (subclassed)")
+        lines += [f"problem: {p}" for p in self] or (
+            ["no problems: every output is float32"] if self.outputs_checked else []
+        )
+        return "\n".join(lines)
+
+
 def audit(model):
-    """Names every model output that is not float32, and every 16-bit softmax/sigmoid at one.
+    """Each layer's compute dtype, and every model output that is not float32 or that is
+    squashed (softmax/sigmoid) in 16 bits.
 
     Args:
-        model: a built functional or Sequential Keras model.
+        model: a built Keras model (outputs are checked where it has a functional graph:
+            functional and Sequential models).
 
     Returns:
-        A list of human-readable problems; empty when every output is float32 and no
-        output is squashed in float16/bfloat16.
+        An `Audit`: a list of human-readable problems, empty when every output is float32
+        and none is squashed in float16/bfloat16; its `layers` and `table()` show each
+        layer's compute dtype (after `tfmp.keep_float32(model, ...)` too).
     """
+    layers = [
+        {
+            "path": layer.path or layer.name,
+            "class": type(layer).__name__,
+            "compute_dtype": layer.compute_dtype,
+            "variable_dtype": layer.variable_dtype,
+        }
+        for layer in keras_compat.sublayers(model)
+    ]
     problems = []
-    for i, output in enumerate(model.outputs):
+    outputs = getattr(model, "outputs", None) or []  # A subclassed model has no graph to read them from.
+    for i, output in enumerate(outputs):
         layer = output._keras_history.operation
-        if output.dtype != "float32":
-            problems.append(f"output {i} ({layer.name}) is {output.dtype}, not float32")
+        # A layer made float32 after the graph was built outputs float32, whatever the graph says.
+        dtype = "float32" if getattr(layer, "compute_dtype", None) == "float32" else output.dtype
+        if dtype != "float32":
+            problems.append(f"output {i} ({layer.name}) is {dtype}, not float32")
         squash = _squashes_in_low_precision(layer)
         if squash:
             problems.append(f"output {i}: {squash}")
-    return problems
+    return Audit(problems, layers, outputs_checked=bool(outputs))

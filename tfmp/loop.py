@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, guards, inputs, loss_scale, xla
+from tfmp import checkpoint, distribute, doctor, guards, inputs, keras_compat, loss_scale, xla
 from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 from tfmp.steps import STEP_STATE, Steps
 
@@ -153,7 +153,9 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
     # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
     # second fit (or evaluate) with the same setup traces and compiles nothing again.
     key = (strategy, model.optimizer, model._compile_loss, model._compile_metrics)  # noqa: SLF001
-    settings = (grad_accum_steps, clipnorm, steps_per_execution)
+    # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
+    dtypes = tuple(layer.compute_dtype for layer in keras_compat.sublayers(model))
+    settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes)
     kept = _STEPS.get(model)
     if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1] == settings:
         return kept[2]

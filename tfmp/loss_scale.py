@@ -5,7 +5,7 @@ import tensorflow as tf
 from absl import logging
 from keras import ops
 
-from tfmp import precision
+from tfmp import keras_compat, precision
 from tfmp.errors import UsageError
 
 
@@ -74,7 +74,7 @@ def needs_loss_scaling(model=None):
     """Whether any layer of `model` computes in float16 (without a model: the global policy)."""
     if model is None:
         return precision.needs_loss_scaling()
-    return any(layer.dtype_policy.compute_dtype == "float16" for layer in model._flatten_layers())  # noqa: SLF001
+    return any(layer.compute_dtype == "float16" for layer in [model, *keras_compat.sublayers(model)])
 
 
 def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=None):

@@ -10,6 +10,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmp import keras_compat
 from tfmp.errors import UsageError
 
 POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
@@ -196,32 +197,71 @@ def needs_loss_scaling():
     return compute_dtype() == "float16"
 
 
-@contextlib.contextmanager
-def keep_float32(names_or_regexes):
-    """Layers created in this block whose path matches one of `names_or_regexes` compute
-    in float32 under a mixed global policy; every other layer follows the policy.
+def keep_float32(model_or_names, names_or_regexes=None):
+    """Layers that compute in float32 under a mixed global policy: in a model being built
+    (a `with` block) or in a built one (loaded, subclassed, or any other).
 
-    Built on Keras' `DTypePolicyMap`: inside the block the global policy is a map from
-    layer paths (names for top-level layers; full-match regular expressions) to float32,
-    whose default is the current global policy. It takes exactly the names
-    `tfmp.diagnose(...).keep_float32` returns. Variables stay float32 either way. Keras
-    gives a layer its path when it builds; a layer with nothing to build (Activation,
-    Lambda, pooling) has none and keeps the global policy: create those with
-    `dtype="float32"` where they need it.
+    `tfmp.keep_float32(names)` is a `with` block: layers created in it whose path matches
+    one of `names` compute in float32; every other layer follows the global policy.
+    `tfmp.keep_float32(model, names)` changes the built `model` in place: each of its layers
+    (nested ones too) whose path or name matches computes in float32 from then on. Both take
+    exactly the names `tfmp.diagnose(...).keep_float32` returns; the names are full-match
+    regular expressions. Variables stay float32 either way.
 
     Args:
-        names_or_regexes: a layer name, a regular expression, or a list of them.
+        model_or_names: a built Keras model, or the names (then `names_or_regexes` is
+            left out).
+        names_or_regexes: with a model: a layer name, a regular expression, or a list of them.
+
+    Returns:
+        With a model: the paths of the layers now computing in float32. Without: a
+        context manager.
+
+    Raises:
+        UsageError: a pattern that is not a regular expression, or, with a model, one that
+            matches none of its layers.
 
     Example:
         >>> with tfmp.keep_float32(["layer_norm.*", "logits"]):
         ...     model = build_model()
+        >>> tfmp.keep_float32(loaded_model, tfmp.diagnose(loaded_model, data).keep_float32)
     """
-    patterns = [names_or_regexes] if isinstance(names_or_regexes, str) else list(names_or_regexes)
+    if isinstance(model_or_names, keras.layers.Layer):
+        return _keep_float32_in(model_or_names, _patterns(names_or_regexes))
+    if names_or_regexes is not None:
+        raise UsageError("keep_float32 takes (names) as a with block, or (model, names) for a built model")
+    return _keep_float32_block(_patterns(model_or_names))
+
+
+def _patterns(names_or_regexes):
+    patterns = [names_or_regexes] if isinstance(names_or_regexes, str) else list(names_or_regexes or ())
     for pattern in patterns:
         try:
             re.compile(pattern)
         except re.error as e:
             raise UsageError(f"keep_float32: {pattern!r} is not a regular expression ({e})") from e
+    return patterns
+
+
+def _keep_float32_in(model, patterns):
+    layers = keras_compat.sublayers(model)
+    chosen = {}
+    for pattern in patterns:
+        hits = [layer for layer in layers if any(re.fullmatch(pattern, n or "") for n in (layer.path, layer.name))]
+        if not hits:
+            names = ", ".join(layer.path or layer.name for layer in layers[:12])
+            raise UsageError(f"keep_float32: {pattern!r} matches no layer of {model.name} (its layers: {names}, ...)")
+        chosen.update({id(layer): layer for layer in hits})
+    for layer in chosen.values():
+        keras_compat.set_policy(layer, "float32")
+    keras_compat.forget_compiled_functions(model)
+    return [layer.path or layer.name for layer in chosen.values()]
+
+
+@contextlib.contextmanager
+def _keep_float32_block(patterns):
+    """Inside the block the global policy is a Keras `DTypePolicyMap` from layer paths
+    (names for top-level layers) to float32, whose default is the policy before it."""
     previous = keras.config.dtype_policy()
     if not patterns:
         yield

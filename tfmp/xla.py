@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, gradients, timing
+from tfmp import distribute, gradients, keras_compat, timing
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", True, False)
@@ -178,7 +178,7 @@ def _fingerprint(steps, batches):
     model = steps.model
     return (
         type(model).__name__,
-        tuple((type(layer).__name__, layer.dtype_policy.name) for layer in model._flatten_layers()),  # noqa: SLF001
+        tuple((type(layer).__name__, layer.compute_dtype) for layer in [model, *keras_compat.sublayers(model)]),
         tuple((tuple(v.shape), v.dtype) for v in model.weights),
         tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches)),
         distribute.strategy_name(steps.strategy),
