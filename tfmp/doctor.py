@@ -52,6 +52,7 @@ class _Calls:
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         self.input_max = np.zeros(len(layers))
         self.output_max = np.zeros(len(layers))
+        self.casts = [keras_compat.casts_inputs(layer) for layer in layers]  # In the model's own policies.
         self.recording = False
         self.new_pass()
 
@@ -65,7 +66,7 @@ class _Calls:
         i = self._index[id(layer)]
         self.finished.append((i, outputs))
         if self.recording:
-            if keras_compat.casts_inputs(layer):
+            if self.casts[i]:
                 self.input_max[i] = max(self.input_max[i], _max_abs((args, kwargs)))
             self.output_max[i] = max(self.output_max[i], _max_abs(outputs))
 

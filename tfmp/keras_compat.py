@@ -19,15 +19,12 @@ def sublayers(model):
     return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
 
 
-def children(layer):
-    """The layers directly inside `layer`."""
-    return list(layer._flatten_layers(include_self=False, recursive=False))  # noqa: SLF001
-
-
 def casts_inputs(layer):
-    """Whether `layer` casts its floating inputs to its compute dtype when called (a nested
-    functional model leaves that to its own layers)."""
-    return bool(layer.autocast and getattr(layer, "_convert_input_args", True))
+    """Whether `layer` casts its floating inputs to its compute dtype when called. A nested
+    functional model leaves that to its own layers; a Sequential model casts to its
+    InputLayer's dtype."""
+    converts = layer.autocast and getattr(layer, "_convert_input_args", True)
+    return bool(converts and layer.input_dtype == layer.compute_dtype)
 
 
 def set_policy(layer, policy):

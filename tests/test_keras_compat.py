@@ -1,0 +1,100 @@
+"""The Keras internals tfmp relies on (tfmp/keras_compat.py), a test per behaviour: a Keras
+release that changes one of them fails here, by name."""
+
+import keras
+import numpy as np
+
+import tfmp
+from tfmp import keras_compat
+
+
+def _nested():
+    block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="inner")], name="block")
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, keras.layers.Dense(2, name="out")(block(keras.layers.Dense(4, name="first")(inputs))))
+
+
+class _Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.a = keras.layers.Dense(3, name="a")
+        self.b = keras.layers.Dense(1, name="b")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+
+def test_sublayers_reach_nested_and_subclassed_layers_parents_first():
+    names = [layer.name for layer in keras_compat.sublayers(_nested())]
+    assert sorted(names) == ["block", "first", "inner", "out"]  # No InputLayer, not the model itself.
+    assert names.index("block") < names.index("inner")
+    model = _Subclassed()
+    model(np.ones((1, 4), "float32"))
+    assert [layer.name for layer in keras_compat.sublayers(model)] == ["a", "b"]
+
+
+def test_a_layer_casts_its_inputs_and_nested_models_do_not():
+    keras.config.set_dtype_policy("mixed_float16")
+    block = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="inner")], name="block")
+    functional_inputs = keras.Input((3,))
+    functional = keras.Model(functional_inputs, keras.layers.Dense(3, name="inner2")(functional_inputs), name="fblock")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, functional(block(keras.layers.Dense(4, name="first")(inputs))))
+    layers = keras_compat.sublayers(model)
+    casts = {layer.name: keras_compat.casts_inputs(layer) for layer in layers}
+    assert casts == {"first": True, "block": False, "inner": True, "fblock": False, "inner2": True}
+    seen = {}
+    with keras_compat.watching_calls(layers, lambda layer, args, kwargs, outputs: seen.setdefault(layer.name, args)):
+        block(np.ones((2, 4), "float32"))
+        functional(np.ones((2, 3), "float32"))
+    # What each `call` received: cast to float16 by the layers that cast, as it came by the models.
+    received = {name: args[0].dtype for name, args in seen.items()}
+    assert received == {"block": "float32", "inner": "float16", "fblock": "float32", "inner2": "float16"}
+
+
+def test_watching_calls_sees_every_call_in_order_and_leaves_the_layers_as_they_were():
+    model = _nested()
+    layers = keras_compat.sublayers(model)
+    started, finished = [], []
+    on_call = lambda layer, args, kwargs, outputs: finished.append((layer.name, tuple(outputs.shape)))  # noqa: E731
+    with keras_compat.watching_calls(layers, on_call, lambda layer: started.append(layer.name)):
+        expected = model(np.ones((2, 4), "float32"))
+    assert started == ["first", "block", "inner", "out"]
+    assert finished == [("first", (2, 4)), ("inner", (2, 3)), ("block", (2, 3)), ("out", (2, 2))]
+    assert not any("call" in layer.__dict__ for layer in layers)
+    np.testing.assert_array_equal(model(np.ones((2, 4), "float32")), expected)
+
+
+def test_policies_swap_and_put_back_the_same_objects():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = _nested()
+    layers = keras_compat.sublayers(model)
+    saved = [layer._dtype_policy for layer in layers]  # noqa: SLF001
+    with keras_compat.policies([model, *layers], "float32"):
+        assert model(np.ones((1, 4), "float32")).dtype == "float32"
+    assert all(layer._dtype_policy is policy for layer, policy in zip(layers, saved, strict=True))  # noqa: SLF001
+    assert model(np.ones((1, 4), "float32")).dtype == "bfloat16"
+
+
+def test_set_policy_leaves_a_shared_policy_map_alone():
+    keras.config.set_dtype_policy("mixed_float16")
+    with tfmp.keep_float32([".*/b"]):
+        model = _Subclassed()
+        model(np.ones((1, 4), "float32"))
+    shared = model.a._dtype_policy  # noqa: SLF001 - the DTypePolicyMap both layers hold.
+    assert isinstance(shared, keras.dtype_policies.DTypePolicyMap) and model.b.compute_dtype == "float32"
+    keras_compat.set_policy(model.a, "float32")
+    assert model.a.compute_dtype == "float32" and len(shared) == 1  # No entry for "a" written into the map.
+
+
+def test_forgetting_compiled_functions_makes_fit_trace_with_the_new_dtype():
+    keras.config.set_dtype_policy("mixed_float16")
+    model = _nested()
+    model.compile("sgd", "mse")
+    x, y = np.ones((4, 4), "float32"), np.ones((4, 2), "float32")
+    model.fit(x, y, verbose=0)
+    assert model.train_function is not None
+    keras_compat.forget_compiled_functions(model)
+    assert model.train_function is None and model.predict_function is None
+    model.fit(x, y, verbose=0)
+    assert model.train_function is not None
