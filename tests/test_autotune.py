@@ -1,5 +1,6 @@
 """--precision=autotune: a timed trial on the user's model; the fastest finite policy wins."""
 
+import dataclasses
 import io
 import itertools
 import json
@@ -59,8 +60,8 @@ def test_autotune_times_every_policy_and_caches(tmp_path, monkeypatch):
     assert metrics["policy"] == entry["policy"] == timing.decide(rounds, "float32").choice
     assert "autotune, measured now" in out and "<- chosen" in out and "examples/s" in out
     keras.backend.clear_session()
-    again, out = run(tmp_path)
-    assert again["policy"] == metrics["policy"] and "autotune, cached in" in out
+    again, out = run(tmp_path)  # The same command in the same directory: the recorded decision.
+    assert again["policy"] == metrics["policy"] and "as recorded in" in out and "autotune, measured now" in out
 
 
 def test_autotune_skips_a_policy_whose_loss_is_not_finite(tmp_path, monkeypatch):
@@ -76,7 +77,7 @@ def test_unknown_precision_lists_autotune():
         training.validate(training.Config(precision="fast"))
 
 
-def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16(tmp_path, monkeypatch):
+def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_directory(tmp_path, monkeypatch, caplog):
     from tfmp import precision
 
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=("amx_bf16",)))
@@ -96,6 +97,21 @@ def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16(tmp_path, monk
     (entry,) = json.loads((tmp_path / "autotune.json").read_text()).values()
     assert [r["policy"] for r in entry["rows"]] == ["float32", "mixed_bfloat16"]
     assert metrics["policy"] == entry["policy"] and metrics["policy_reason"].startswith("auto: CPU with bfloat16")
+    recorded = json.loads((tmp_path / "decisions.json").read_text())
+    assert recorded["precision"]["value"] == metrics["policy"] and "jit_compile" in recorded
+    # A rerun in the same directory takes both decisions again, whatever a new trial would say.
+    monkeypatch.setattr(training.autotune, "trial", None)  # Would fail if called.
+    keras.backend.clear_session()
+    again = training.train_and_evaluate(config, out=io.StringIO())
+    assert again["policy"] == metrics["policy"] and again["jit_compile"] == metrics["jit_compile"]
+    assert again["policy_reason"].startswith("as recorded in") and "CPU with bfloat16" in again["policy_reason"]
+    assert again["jit_compile_reason"].startswith("as recorded in")
+    other = "float32" if metrics["policy"] != "float32" else "mixed_bfloat16"
+    keras.backend.clear_session()
+    with caplog.at_level("WARNING"):
+        training.train_and_evaluate(dataclasses.replace(config, precision=other), out=io.StringIO())
+    (line,) = [r.getMessage() for r in caplog.records if "recorded" in r.getMessage()]
+    assert line.startswith(f"precision: {other}, where") and "will not match" in line
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(gpu_capability=(8, 0)))
     assert precision.auto_trial_candidates() is None  # On accelerators the hardware rule decides.
 

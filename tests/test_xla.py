@@ -105,7 +105,7 @@ def test_auto_follows_the_measurement(monkeypatch):
     assert faster.params["jit_compile"] is True and slower.params["jit_compile"] is False
 
 
-def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_path):
+def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_path, caplog):
     timings = iter(
         [
             {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},  # The first run: XLA wins.
@@ -120,6 +120,16 @@ def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_
     resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
     assert first.params["jit_compile"] is True and resumed.params["jit_compile"] is True
     assert next(timings)[xla.ON] == [60.0] * 5  # Not measured again.
+    assert resumed.params["jit_compile_reason"].startswith(f"as recorded in {tmp_path / 'decisions.json'}: auto")
+    assert resumed.params["dtype_policy"] == "float32"
+    # Asked for explicitly, another choice trains; one line says that it differs.
+    with caplog.at_level("WARNING"):
+        other = tfmp.fit(
+            tiny_regression(), regression_data(), epochs=3, checkpoint_dir=str(tmp_path), jit_compile=False
+        )
+    assert other.params["jit_compile"] is False
+    (line,) = [r.getMessage() for r in caplog.records if "recorded" in r.getMessage()]
+    assert line.startswith("XLA: no XLA, where") and "recorded XLA" in line and "will not match" in line
 
 
 def test_auto_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):

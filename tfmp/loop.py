@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, guards, inputs, keras_compat, loss_scale, xla
+from tfmp import checkpoint, decisions, distribute, doctor, guards, inputs, keras_compat, loss_scale, xla
 from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 from tfmp.steps import STEP_STATE, Steps
 
@@ -90,7 +90,9 @@ def fit(
             outside it). "auto" measures both ways before training (alternating rounds,
             a few seconds) and keeps XLA only where it is clearly faster. A model XLA
             cannot compile trains without it, after one warning line. The choice is in
-            `History.params["jit_compile"]`.
+            `History.params["jit_compile"]` (the reason in "jit_compile_reason"). With a
+            `checkpoint_dir`, it is recorded there (decisions.json) and taken again by a
+            resumed run or a rerun in the same directory, so that both train alike.
         verbose: "auto", 0 (silent), 1 (progress bar) or 2 (a line per epoch).
 
     Returns:
@@ -114,9 +116,13 @@ def fit(
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
-    resuming = checkpoint.latest(checkpoint_dir) is not None
     use, why, chosen_now = xla.resolve_run(
-        steps, train_input.element_spec, jit_compile, checkpoint_dir, resuming, per_replica=train_input.fn is not None
+        steps,
+        train_input.element_spec,
+        jit_compile,
+        checkpoint_dir,
+        per_replica=train_input.fn is not None,
+        reuse=distribute.num_workers(strategy) < 2,
     )
     if verbose != 0 and jit_compile == "auto":
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
@@ -131,12 +137,15 @@ def fit(
             if chief:  # One run at a time in a checkpoint directory.
                 cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
                 if chosen_now:
-                    xla.remember(checkpoint_dir, use, why)
+                    decisions.record(checkpoint_dir, "jit_compile", use, why)
             target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
             saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
             if saver.restore():
                 initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
         run = _Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
+        # What was decided, beside what was asked (decisions.json holds it for reruns).
+        policy = keras.config.dtype_policy().name
+        run.callbacks.set_params({**run.callbacks.params, "jit_compile_reason": why, "dtype_policy": policy})
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
         except guards.PEER_ERRORS as e:

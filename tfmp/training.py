@@ -17,6 +17,7 @@ from tfmp import (
     callbacks,
     checkpoint,
     data,
+    decisions,
     distribute,
     doctor,
     export,
@@ -110,15 +111,22 @@ def _train_and_evaluate(config, out, cleanup):
     # 2. Seed.
     seed.set_seed(config.seed, config.deterministic)
     # 3. Precision: decided once, here; everything after reads the global policy. (Autotune
-    # needs the data and the model, so it decides in step 5.)
-    trial = precision.auto_trial_candidates() if config.precision == "auto" else None
-    if config.precision != precision.AUTOTUNE and not trial:
-        decision = precision.resolve_policy(config.precision)
-        precision.apply_policy(decision)
-    # 4. The batch split.
+    # needs the data and the model, so it decides in step 5.) What "auto" decided for this
+    # --model_dir before is taken again (one host: several must all decide alike).
     chief = distribute.is_chief(strategy)
     # Only the chief writes to --model_dir; other workers write to a temporary place.
     model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
+    one_host = distribute.num_workers(strategy) == 1
+    recorded = decisions.recorded(model_dir, "precision")
+    reuse = recorded if one_host and config.precision in ("auto", precision.AUTOTUNE) else None
+    trial = precision.auto_trial_candidates() if config.precision == "auto" and not reuse else None
+    if reuse:
+        decision = precision.resolve_policy(reuse["value"])._replace(reason=decisions.reused_reason(model_dir, reuse))
+        precision.apply_policy(decision)
+    elif config.precision != precision.AUTOTUNE and not trial:
+        decision = precision.resolve_policy(config.precision)
+        precision.apply_policy(decision)
+    # 4. The batch split.
     plan = distribute.plan_batch(
         config.batch_size,
         strategy.num_replicas_in_sync,
@@ -184,7 +192,7 @@ def _train_and_evaluate(config, out, cleanup):
     if config.diagnose:
         return _diagnose(config, build_model, strategy, ds, out)
 
-    if config.precision == precision.AUTOTUNE or trial:
+    if (config.precision == precision.AUTOTUNE or trial) and not reuse:
         if plan.workers > 1 and not trial:
             raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
         key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
@@ -202,6 +210,9 @@ def _train_and_evaluate(config, out, cleanup):
                 key, build_model, ds, strategy, plan.global_batch, model_dir, budget_seconds=config.trial_seconds
             )
         precision.apply_policy(decision)
+    decisions.say_if_different(model_dir, "precision", recorded, decision.policy)
+    if chief and recorded is None and config.precision in ("auto", precision.AUTOTUNE):
+        decisions.record(model_dir, "precision", decision.policy, decision.reason)
     # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
     # first: a precision trial (measured, cached or none) must not change the weights.
     seed.set_seed(config.seed, config.deterministic)
@@ -219,15 +230,10 @@ def _train_and_evaluate(config, out, cleanup):
         model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
     )
     jit_compile, jit_reason, chosen_now = xla.resolve_run(
-        compiled,
-        train_input.element_spec,
-        JIT_COMPILE[config.jit_compile],
-        checkpoint_dir,
-        latest is not None,
-        per_replica=True,
+        compiled, train_input.element_spec, JIT_COMPILE[config.jit_compile], model_dir, per_replica=True, reuse=one_host
     )
     if chosen_now and chief:  # This process holds --model_dir's lock.
-        xla.remember(checkpoint_dir, jit_compile, jit_reason)
+        decisions.record(model_dir, "jit_compile", jit_compile, jit_reason)
     print(
         report.summary(config, decision, strategy, plan, ds.source, model, steps, start, (jit_compile, jit_reason)),
         file=out,

@@ -10,8 +10,6 @@ must match bit for bit, "auto" follows a rule instead: XLA on GPUs, not on CPUs 
 always compile with XLA).
 """
 
-import json
-import os
 import re
 import time
 
@@ -19,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, gradients, keras_compat, timing
+from tfmp import decisions, distribute, gradients, keras_compat, timing
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", True, False)
@@ -187,41 +185,32 @@ def _fingerprint(steps, batches):
     )
 
 
-CHOICE_FILE = "jit_compile.json"
+def _show(use):
+    return ON if use else OFF
 
 
-def remembered(directory):
-    """(XLA on?, why) that "auto" chose for the run checkpointed in `directory`, or None.
+def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True):
+    """`resolve` for a run kept in `directory`: where "auto" decided before for this
+    directory (a resumed run, or a rerun of the same command), that decision is taken
+    again, so that the run trains as the recorded one did; a decision that differs from
+    the recorded one is said in one line.
 
-    A resumed run keeps its first choice, so that it goes on exactly as an unbroken run would.
-    """
-    path = os.path.join(directory, CHOICE_FILE) if directory else None
-    if not path or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        saved = json.load(f)
-    return bool(saved["jit_compile"]), f"auto, kept from the run being resumed ({saved['reason']})"
-
-
-def resolve_run(steps, element_spec, jit_compile, directory, resuming, per_replica=False):
-    """`resolve` for a run checkpointed in `directory`: a resumed run keeps what "auto" chose
-    when it started, so that it goes on as an unbroken run would.
+    Args:
+        reuse: False where the recorded decision must not be taken (several workers,
+            which must all decide alike, and may not all see `directory`).
 
     Returns:
-        (XLA on?, why, whether it is a choice "auto" made now: `remember` it once the run
-        owns `directory`).
+        (XLA on?, why, whether it is a choice "auto" made now: `decisions.record` it as
+        "jit_compile" once the run owns `directory`).
     """
-    kept = remembered(directory) if jit_compile == "auto" and resuming else None
-    use, why = resolve(steps, element_spec, kept[0] if kept else jit_compile, per_replica)
-    if kept:
-        return kept[0], kept[1], False
-    return use, why, jit_compile == "auto" and directory is not None
-
-
-def remember(directory, use, why):
-    """Writes what "auto" chose next to the run's checkpoints."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, CHOICE_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"jit_compile": use, "reason": why}, f)
-    os.replace(path + ".tmp", path)
+    entry = decisions.recorded(directory, "jit_compile")
+    if jit_compile == "auto" and entry is not None and reuse:
+        use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica)
+        if use == entry["value"]:
+            why = decisions.reused_reason(directory, entry)
+        chosen_now = False
+    else:
+        use, why = resolve(steps, element_spec, jit_compile, per_replica)
+        chosen_now = jit_compile == "auto" and directory is not None and entry is None
+    decisions.say_if_different(directory, "XLA", entry, use, _show)
+    return use, why, chosen_now
