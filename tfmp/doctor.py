@@ -1,9 +1,10 @@
 """The numerics doctor: what breaks in float16 before it breaks, where a NaN came from, and
 whether a mixed policy costs accuracy.
 
-- `diagnose(model, data, steps)` trains a float32 copy of the model for a few steps and
-  records, per layer, the range of its outputs and of its weight gradients: which outputs
-  exceed float16's maximum (65504: no loss scale helps those, keep them in float32), what
+- `diagnose(model, data, steps)` trains the model in float32 for a few steps (and puts it
+  back as it was) and records, per layer, the range of its inputs, outputs and weight
+  gradients: which outputs exceed float16's maximum (65504: no loss scale helps those, keep
+  them in float32) and which layers would cast such a value back to 16 bits, what
   fraction of the gradients underflow float16 at loss scale 1 and at a recommended scale,
   and how far each output moves when the model runs in bfloat16.
 - `localize_non_finite(model, batch)` replays a batch in the model's own precision and
@@ -142,7 +143,8 @@ class Diagnosis:
         layers: one record per layer (name, class, compute dtype in the model, output and
             gradient ranges, float16 overflow and underflow, bfloat16 output error).
         keep_float32: layers to keep in float32: their outputs exceed float16's maximum,
-            or their gradients do even at loss scale 1. Pass it to `tfmp.keep_float32`.
+            or they would cast such an input to 16 bits (the consumers), or their
+            gradients exceed it even at loss scale 1. Pass it to `tfmp.keep_float32`.
         recommended_loss_scale: a power of two that lifts the gradients out of float16's
             underflow while keeping the largest 3 binades below its maximum.
         bfloat16_sensitive: layers whose output moves more than 5% in bfloat16.
@@ -345,7 +347,9 @@ def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, ste
         inside = [index[id(sub)] for sub in keras_compat.sublayers(layer) if id(sub) in index]
         # A layer that only passes on what an inner layer made too large is not the culprit.
         overflow = bool(overflows[i] and not overflows[inside].any())
-        consumer = bool(calls.input_max[i] > FLOAT16_MAX)
+        # It casts a value beyond float16 to 16 bits: inf (all layers would, in a float32 model).
+        would_cast = dtypes[i] != "float32" or not any_low
+        consumer = bool(calls.input_max[i] > FLOAT16_MAX and would_cast)
         grad_overflow = bool(grad_max[i] > FLOAT16_MAX)
         records.append(
             {
