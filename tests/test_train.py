@@ -49,9 +49,13 @@ def test_train_binary_smoke(tmp_path):
     for words in ("precision", "strategy", "per-replica batch", "global batch", "learning rate", "test accuracy"):
         assert words in result.stdout
     files = {p.name for p in (tmp_path / "run").iterdir()}
-    # No temporary file left; autotune.json holds auto's float32 / bfloat16 trial on CPUs with bfloat16.
+    # No temporary file left; autotune.json holds auto's float32 / bfloat16 trial on CPUs with
+    # bfloat16; decisions.json what auto decided (precision and XLA), for a rerun to take again.
     expected = {"metrics.json", "history.csv", "training.png", "tensorboard", "checkpoints", "run.json"}
-    assert files - {"autotune.json"} == expected
+    assert files - {"autotune.json"} == expected | {"decisions.json"}
+    recorded = json.loads((tmp_path / "run" / "decisions.json").read_text())
+    assert recorded["precision"]["value"] == metrics["policy"]
+    assert recorded["jit_compile"]["value"] == metrics["jit_compile"]
     assert metrics["skipped_steps"] == 0 and metrics["peak_memory_mb"] > 0
 
 
