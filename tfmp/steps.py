@@ -11,6 +11,7 @@ gradient is non-finite, without advancing `iterations` or the learning-rate sche
 import contextlib
 
 import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
@@ -158,7 +159,8 @@ class Steps:
     # ---- training ----
 
     def train(self, iterator, updates=1):
-        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`.
+        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`, and waits
+        for them: `read(dispatch(iterator, updates))`.
 
         Returns:
             A dict of numpy values: `step_loss` (the last update's mean loss),
@@ -166,12 +168,48 @@ class Steps:
             `loss_scale` (-1 without loss scaling), and the model's metric results
             (`loss`, ...: running means over the epoch).
         """
+        return self.read(self.dispatch(iterator, updates))
+
+    def dispatch(self, iterator, updates=1):
+        """Queues `updates` updates from `iterator` on the device and returns at once, with
+        what they will return packed into one tensor (see `read`): nothing here waits for
+        the device."""
         with reduced_gradients(self.optimizer, self._update_step):
             fn = self._many if updates > 1 else self._one
             out = self._first_call(fn, iterator)
             if out is _FAILED:  # XLA failed to compile: the same update without it.
                 out = (self._many if updates > 1 else self._one)(iterator)
-        return {k: v.numpy() for k, v in out.items()}
+        return out
+
+    def read(self, packed):
+        """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""
+        words = packed.numpy()
+        out, at = {}, 0
+        for key, kind, shape, size in self._layout:
+            part = words[at : at + size]
+            at += size
+            value = part.view(np.float32) if kind == "f" else part.view(np.int64) if kind == "i" else part.astype(bool)
+            out[key] = value.reshape(shape) if shape else value.reshape(())[()]
+        return out
+
+    def _pack(self, out):
+        """The step's outputs as one int32 vector (floats and int64s bit for bit), so that
+        the host reads them with one copy; `read` unpacks them by `_layout`, set here."""
+        layout, words = [], []
+        for key in sorted(out):
+            value = tf.convert_to_tensor(out[key])
+            shape = tuple(value.shape)
+            if value.dtype == tf.bool:
+                kind, word = "b", tf.cast(value, tf.int32)
+            elif value.dtype.is_integer:
+                kind, word = "i", tf.bitcast(tf.cast(value, tf.int64), tf.int32)
+            else:
+                kind, word = "f", tf.bitcast(tf.cast(value, tf.float32), tf.int32)
+            word = tf.reshape(word, [-1])
+            layout.append((key, kind, shape, int(word.shape[0])))
+            words.append(word)
+        self._layout = layout
+        return tf.concat(words, 0)
 
     def _replica_gradients(self, batches):
         """Forward and backward passes over this replica's `batches`, gradients summed.
@@ -251,7 +289,7 @@ class Steps:
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
         out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
-        return out
+        return self._pack(out)
 
     def results(self):
         """The model's metric results, summed over replicas and workers."""
