@@ -297,13 +297,14 @@ class NonFiniteGuard(keras.callbacks.Callback):
             raise TrainingError(message)
 
 
-def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None):
-    """Why training must stop, or None when it may go on."""
+def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None):
+    """Why training must stop, or None when it may go on. `loss_scale`: the scale after the
+    update that gave `loss` (default: the optimizer's now)."""
     if np.isfinite(float(loss)):
         return None
     scale = None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        scale = float(optimizer.dynamic_scale.numpy())
+        scale = float(optimizer.dynamic_scale.numpy()) if loss_scale is None else loss_scale
         if scale >= 1.0:
             return None  # Skipped; the scale halves. Monitor warns if this keeps happening.
     where = f" at step {step}" if step is not None else ""

@@ -5,6 +5,7 @@ import math
 import os
 import tempfile
 import threading
+import typing
 import weakref
 
 import keras
@@ -249,6 +250,23 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
     return strategy
 
 
+class _Update(typing.NamedTuple):
+    """A queued update: its packed outputs, the batches done in the epoch and in all once it
+    is applied, its input position, its batches and updates."""
+
+    packed: tf.Tensor
+    done: int
+    step: int
+    position: int
+    batches: int
+    updates: int
+
+
+_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+# Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
+_BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
+
+
 class _Run:
     """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
 
@@ -319,32 +337,38 @@ class _Run:
         return model.history
 
     def _train_epoch(self, iterator, epoch, offset, stop, handler, checkpoint_every):
-        """Trains one epoch from batch `offset`; returns the last logs and the batches done."""
+        """Trains one epoch from batch `offset`; returns the last logs and the batches done.
+
+        The device is never left waiting for the host: an update's outputs are read (one
+        copy) only after the next update is queued, while it runs, and the guards, the
+        monitor and the callbacks see them then. The loop waits for the update it just
+        queued only where a value is due at that point: a checkpoint, SIGTERM, the end of
+        the epoch, a stop asked for, or a callback that must see every update's end before
+        the next begins (`_reads_behind`).
+        """
         model, steps, n = self.model, self.steps, self.n
         k, total = steps.steps_per_execution, self.input.steps  # total None: until the input runs out.
-        done, logs = offset, None
+        behind = self._reads_behind(handler)
+        done, logs, pending = offset, None, None
         while total is None or done < total:
             updates = k if total is not None and total - done >= k * n else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                out = steps.train(iterator, updates)
+                packed = steps.dispatch(iterator, updates)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             batches = updates * n
             done, self.step = done + batches, self.step + batches
-            if self.progress_path:
-                with open(self.progress_path, "w") as f:
-                    f.write(str(self.step))
             position = epoch * self.input.period + done if self.input.streamed else done
-            logs = self._logs(out)
-            if self.monitor is not None:
-                self.monitor.on_train_batch_end(self.step, {**out, **logs, "steps": batches, "updates": updates})
-            message = tfmp_callbacks.non_finite_message(
-                out["step_loss"], steps.optimizer, model, steps.first_non_finite_gradient(out["finite"]), self.step
-            )
-            if message:
-                raise TrainingError(f"{message}. Replay of the failing batch: {self._replay(position - batches)}")
-            self.callbacks.on_train_batch_end(done - 1, logs)
+            queued = _Update(packed, done, self.step, position, batches, updates)
+            if pending is not None:  # The update before, done or nearly: read while this one runs.
+                logs = self._finish(pending)
+            pending = queued
+            due = self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches
+            due = due and not (total is not None and done >= total)  # An epoch's end saves as the next's start.
+            if behind and not (due or stop.is_set() or model.stop_training or handler is not None):
+                continue
+            logs, pending = self._finish(pending), None
             if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
                 self.saver.step.assign(self.step)
                 self.saver.epoch.assign(epoch)
@@ -356,12 +380,53 @@ class _Run:
                     f"SIGTERM at batch {self.step}: checkpoint saved in {self.saver.directory}; rerun the same "
                     "command to resume"
                 )
-            due = self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches
-            if due and not (total is not None and done >= total):  # An epoch's end saves as the next's start.
+            if due:
                 self._save(epoch, position)
             if model.stop_training:
                 break
+        if pending is not None:
+            logs = self._finish(pending)
         return logs, done
+
+    def _reads_behind(self, handler):
+        """Whether an update's end may be handled after the next update is queued: not for
+        multi-worker preemption (whose checkpoint must hold exactly the updates it counts),
+        nor for a callback with batch hooks of its own, which may change the model or the
+        optimizer between two updates, as under `model.fit` (unless it says `async_safe`,
+        as Keras lets a callback say)."""
+        if handler is not None:
+            return False
+        for callback in self.callbacks.callbacks:
+            if getattr(callback, "async_safe", False) or isinstance(callback, _BEHIND_SAFE):
+                continue
+            if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in _HOOKS):
+                return False
+        return True
+
+    def _finish(self, update):
+        """An update's end: one read of its outputs, the guards, the monitor, the callbacks."""
+        out = self.steps.read(update.packed)
+        if self.progress_path:
+            with open(self.progress_path, "w") as f:
+                f.write(str(update.step))
+        logs = self._logs(out)
+        if self.monitor is not None:
+            self.monitor.on_train_batch_end(
+                update.step, {**out, **logs, "steps": update.batches, "updates": update.updates}
+            )
+        message = tfmp_callbacks.non_finite_message(
+            out["step_loss"],
+            self.steps.optimizer,
+            self.model,
+            self.steps.first_non_finite_gradient(out["finite"]),
+            update.step,
+            loss_scale=float(out["loss_scale"]) if self.steps.scaled else None,
+        )
+        if message:
+            replay = self._replay(update.position - update.batches)
+            raise TrainingError(f"{message}. Replay of the failing batch: {replay}")
+        self.callbacks.on_train_batch_end(update.done - 1, logs)
+        return logs
 
     def _replay(self, position):
         """Where the non-finite values of the update that began at `position` came from."""
