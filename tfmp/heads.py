@@ -73,9 +73,10 @@ class Audit(list):
 
     def table(self):
         """Each layer and the dtype it computes in, then the problems."""
-        lines = [f"{'layer':32s} {'class':22s} {'compute':9s} variables"]
+        lines = [f"{'layer':32s} {'class':22s} {'compute':9s} {'variables':9s} matmul"]
         lines += [
-            f"{r['path'][:32]:32s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']}"
+            f"{r['path'][:32]:32s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']:9s} "
+            f"{'float8' if r['float8'] else '-'}"
             for r in self.layers
         ]
         if not self.outputs_checked:
@@ -105,6 +106,7 @@ def audit(model):
             "class": type(layer).__name__,
             "compute_dtype": layer.compute_dtype,
             "variable_dtype": layer.variable_dtype,
+            "float8": layer.quantization_mode == "float8",  # Its matmul runs in float8 (tfmp.float8).
         }
         for layer in keras_compat.sublayers(model)
     ]

@@ -13,7 +13,19 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, decisions, distribute, doctor, guards, inputs, keras_compat, loss_scale, xla
+from tfmp import (
+    checkpoint,
+    decisions,
+    distribute,
+    doctor,
+    float8,
+    guards,
+    inputs,
+    keras_compat,
+    loss_scale,
+    precision,
+    xla,
+)
 from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
 from tfmp.steps import STEP_STATE, Steps
 
@@ -158,13 +170,15 @@ def fit(
 def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
     """Checks the data's structure, builds the model, its compiled loss and metrics and its
     optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`."""
+    if precision.float8_enabled() and not float8.quantized_layers(model):
+        float8.quantize(model)  # Before the optimizer is built: it must know the float8 state.
     inputs.build_for(model, strategy, element_spec)
     loss_scale.for_model(model, strategy)
     # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
     # second fit (or evaluate) with the same setup traces and compiles nothing again.
     key = (strategy, model.optimizer, model._compile_loss, model._compile_metrics)  # noqa: SLF001
     # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
-    dtypes = tuple(layer.compute_dtype for layer in keras_compat.sublayers(model))
+    dtypes = tuple((layer.compute_dtype, layer.quantization_mode) for layer in keras_compat.sublayers(model))
     settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes)
     kept = _STEPS.get(model)
     if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1] == settings:

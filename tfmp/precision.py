@@ -13,7 +13,8 @@ from absl import logging
 from tfmp import keras_compat
 from tfmp.errors import UsageError
 
-POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8")
+FLOAT8_BASE = "mixed_bfloat16"  # float8 computes in bfloat16 around its float8 matmuls (tfmp.float8).
 AUTOTUNE = "autotune"  # Handled by tfmp.autotune: it needs the model and data.
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -124,7 +125,27 @@ def _emulated_bfloat16_warning(hardware):
     )
 
 
-_SLOW_POLICY_WARNINGS = {"mixed_float16": _slow_float16_warning, "mixed_bfloat16": _emulated_bfloat16_warning}
+def _float8_warning(hardware):
+    """float8 runs at float8 speed only on GPUs with float8 units (compute capability 8.9+)."""
+    if hardware.gpu_capability is not None and hardware.gpu_capability >= (8, 9):
+        return None
+    where = (
+        "a GPU of compute capability {}.{} (float8 units need 8.9 or more)".format(*hardware.gpu_capability)
+        if hardware.gpu_capability is not None
+        else ("a TPU" if hardware.tpu else "a CPU")
+    )
+    return (
+        f"float8 on {where} is emulated (each float8 matmul is quantized and dequantized around a bfloat16 one): "
+        "right for tests and accuracy parity, slower than mixed_bfloat16."
+    )
+
+
+_SLOW_POLICY_WARNINGS = {
+    "mixed_float16": _slow_float16_warning,
+    "mixed_bfloat16": _emulated_bfloat16_warning,
+    "float8": _float8_warning,
+}
+_float8 = [False]  # Whether the policy applied last is float8 (the Keras policy is its base).
 
 
 class Decision(typing.NamedTuple):
@@ -166,7 +187,9 @@ def configure_precision(policy="auto", hardware=None):
     warning.
 
     Args:
-        policy: one of `auto`, `mixed_float16`, `mixed_bfloat16`, `float32`.
+        policy: one of `auto`, `mixed_float16`, `mixed_bfloat16`, `float32`, `float8`
+            (bfloat16 compute with float8 matmuls in Dense and EinsumDense layers,
+            applied by `tfmp.fit`; `auto` never picks it).
         hardware: a `Hardware` to decide from; detected when None.
 
     Returns:
@@ -179,12 +202,21 @@ def configure_precision(policy="auto", hardware=None):
 
 
 def apply_policy(decision):
-    """Makes a resolved `Decision` the global Keras dtype policy; logs it; returns its name."""
+    """Makes a resolved `Decision` the global Keras dtype policy; logs it; returns its name.
+
+    float8 sets its bfloat16 base as the Keras policy; `tfmp.fit` then runs the model's
+    Dense and EinsumDense matmuls in float8 (`tfmp.float8`)."""
     logging.info("Precision: %s (%s)", decision.policy, decision.reason)
     if decision.warning:
         logging.warning(decision.warning)
-    keras.config.set_dtype_policy(decision.policy)
+    _float8[0] = decision.policy == "float8"
+    keras.config.set_dtype_policy(FLOAT8_BASE if _float8[0] else decision.policy)
     return decision.policy
+
+
+def float8_enabled():
+    """Whether the policy is float8: applied by tfmp, and the Keras policy still its base."""
+    return _float8[0] and keras.config.dtype_policy().name == FLOAT8_BASE
 
 
 def compute_dtype():

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, fused, gradients
+from tfmp import distribute, float8, fused, gradients
 from tfmp.errors import first_line
 from tfmp.loss_scale import LossScaleOptimizer
 
@@ -53,6 +53,17 @@ def reduced_gradients(optimizer, update_step=None):
     finally:
         for owner, name, _ in overrides:
             object.__delattr__(owner, name)
+
+
+def _max_over_replicas(context, values):
+    """Each of `values` (dense tensors), its element-wise maximum over the replicas: one
+    all-gather of them all, flattened."""
+    if not values:
+        return []
+    flat = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
+    largest = tf.reduce_max(context.all_gather(flat[tf.newaxis], axis=0), axis=0)
+    sizes = [v.shape.num_elements() for v in values]
+    return [tf.reshape(part, v.shape) for part, v in zip(tf.split(largest, sizes), values, strict=True)]
 
 
 def _batch_size(x):
@@ -108,6 +119,7 @@ class Steps:
         self.steps_per_execution = steps_per_execution
         self.scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self.variables = list(model.trainable_variables)
+        self._state = [float8.is_state(v) for v in self.variables]  # Set, not learnt: see tfmp.float8.
         self.applied = []  # Indices of the variables that get gradients (set when tracing).
         if not self.optimizer.built:  # Its slots must exist before a step traces a cond around them.
             with strategy.scope():
@@ -229,7 +241,13 @@ class Steps:
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)  # noqa: SLF001
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = tape.gradient(scaled, self.variables)
-            grads = new if grads is None else [gradients.add(a, b) for a, b in zip(grads, new, strict=True)]
+            if grads is None:
+                grads = new
+            else:  # float8 state: the largest amax of the micro-batches, not their sum.
+                grads = [
+                    (tf.maximum(a, b) if state and a is not None else gradients.add(a, b))
+                    for a, b, state in zip(grads, new, self._state, strict=True)
+                ]
             losses.append(loss)
             preds.append(y_pred)
         return grads, losses, preds
@@ -242,13 +260,20 @@ class Steps:
             self._track_loss(loss, x, skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
+        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]
+        state = [k for k, i in enumerate(self.applied) if self._state[i]]
         reduced = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
         if self.strategy.num_replicas_in_sync > 1:  # IndexedSlices are all-gathered, not densified.
-            reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, reduced)
+            context = tf.distribute.get_replica_context()
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [reduced[k] for k in weights]) if weights else []
+            for k, g in zip(weights, summed, strict=True):
+                reduced[k] = g
+            for k, g in zip(state, _max_over_replicas(context, [reduced[k] for k in state]), strict=True):
+                reduced[k] = g
         # One row per index, so that the norm is that of the dense gradient.
         reduced = [gradients.deduplicate(g) for g in reduced]
         scale = tf.cast(optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = gradients.global_norm(reduced) / scale
+        grad_norm = gradients.global_norm([reduced[k] for k in weights]) / scale  # float8 state is no gradient.
         # A finite norm means every gradient is finite: the per-variable check (to name the
         # culprit) runs only when it is not, sparing a pass over all gradients every step.
         finite = tf.cond(
@@ -258,7 +283,8 @@ class Steps:
         )
         if self.clipnorm:
             factor = self.clipnorm / tf.maximum(grad_norm, self.clipnorm)
-            reduced = [gradients.scale(g, factor) for g in reduced]
+            for k in weights:
+                reduced[k] = gradients.scale(reduced[k], factor)
         optimizer.apply(reduced, [self.variables[i] for i in self.applied])
         return tf.add_n(losses) / len(losses), grad_norm, finite
 

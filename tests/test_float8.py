@@ -1,0 +1,136 @@
+"""float8: Keras' float8 layers trained by tfmp.fit, their scales and amax histories the
+maximum over replicas (and micro-batches), never clipped, untouched by a skipped update,
+checkpointed with the model; the policy, the audit, the doctor."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp import float8, precision
+
+rng = np.random.default_rng(0)
+X = rng.normal(size=(8, 8)).astype(np.float32)
+X[4:] *= 100  # The second replica's half of each global batch is 100x larger.
+Y = rng.integers(0, 4, 8)
+
+
+def build(strategy=None):
+    """Two hidden Dense layers (float8) and a head (left in bfloat16)."""
+    with (strategy or tf.distribute.get_strategy()).scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        x = keras.layers.Dense(16, activation="relu", name="hidden")(inputs)
+        x = keras.layers.Dense(16, activation="relu", name="hidden2")(x)
+        outputs = keras.layers.Dense(4, name="head")(x)
+        model = keras.Model(inputs, outputs)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(keras.optimizers.SGD(0.01, momentum=0.9), loss)
+    return model
+
+
+def data(batch=8, repeat=3):
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(batch).repeat(repeat)
+
+
+def state(model, strategy=None):
+    """Every float8 scale and amax history, by path: a value per replica."""
+    local = (strategy or tf.distribute.get_strategy()).experimental_local_results
+    return {v.path: [np.asarray(r) for r in local(v.value)] for v in model.variables if float8.is_state(v)}
+
+
+def test_policy_quantizes_hidden_layers_not_the_head(caplog):
+    with caplog.at_level("WARNING"):
+        assert tfmp.configure_precision("float8") == "float8"
+    assert keras.config.dtype_policy().name == "mixed_bfloat16" and precision.float8_enabled()
+    assert any("float8 on a CPU is emulated" in r.getMessage() for r in caplog.records)
+    model = build()
+    history = tfmp.fit(model, data(), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    rows = {r["path"]: r for r in tfmp.audit(model).layers}
+    assert rows["hidden"]["float8"] and rows["hidden2"]["float8"] and not rows["head"]["float8"]
+    assert rows["hidden"]["compute_dtype"] == "bfloat16"
+    histories = {path: value[0] for path, value in state(model).items() if "amax_history" in path}
+    assert len(histories) == 6 and all(np.any(v != 0) for v in histories.values())  # Recorded while training.
+    assert "float8" in tfmp.audit(model).table()
+
+
+def test_amax_history_and_scales_are_the_maximum_over_replicas(mirrored):
+    """Replica 1's half of each batch is 100x larger: Keras would keep replica 0's amax."""
+    tfmp.configure_precision("float8")
+    one, two = build(), build(mirrored)
+    for updates, rtol in ((1, 1e-6), (3, 2**-7)):  # Later, the weights differ in bfloat16's last bit.
+        tfmp.fit(one, data(repeat=1), epochs=updates, initial_epoch=updates - 1, jit_compile=False, verbose=0)
+        tfmp.fit(two, data(repeat=1), epochs=updates, initial_epoch=updates - 1, jit_compile=False, verbose=0)
+        single, per_replica = state(one), state(two, mirrored)
+        assert set(single) == set(per_replica) and len(single) == 12  # 2 layers x (3 scales + 3 histories).
+        for path, (value,) in single.items():
+            first, second = per_replica[path]
+            np.testing.assert_array_equal(first, second, err_msg=path)  # The same on both replicas.
+            np.testing.assert_allclose(first, value, rtol=rtol, err_msg=path)  # As one replica on the global batch.
+        assert single["hidden/inputs_amax_history"][0].max() > 100  # Replica 1's values, unseen by replica 0.
+        if updates == 1:  # bfloat16 sums in another order; later a float8 rounding may flip too.
+            for a, b in zip(one.trainable_weights, two.trainable_weights, strict=True):
+                np.testing.assert_allclose(
+                    np.asarray(a.value), np.asarray(b.value), rtol=1e-2, atol=1e-3, err_msg=a.path
+                )
+
+
+def test_accumulated_micro_batches_take_their_maximum():
+    tfmp.configure_precision("float8")
+    whole, halves = build(), build()
+    for updates, rtol in ((1, 1e-6), (3, 2**-7)):  # Later, the weights differ in bfloat16's last bit.
+        fit = dict(epochs=updates, initial_epoch=updates - 1, jit_compile=False, verbose=0)
+        tfmp.fit(whole, data(repeat=1), **fit)
+        tfmp.fit(halves, data(batch=4, repeat=1), grad_accum_steps=2, **fit)
+        for path, (value,) in state(whole).items():
+            np.testing.assert_allclose(state(halves)[path][0], value, rtol=rtol, err_msg=path)
+
+
+def test_clipping_leaves_the_float8_state_alone():
+    tfmp.configure_precision("float8")
+    free, clipped = build(), build()
+    tfmp.fit(free, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+    tfmp.fit(clipped, data(repeat=1), epochs=1, clipnorm=1e-6, jit_compile=False, verbose=0)
+    for path, (value,) in state(free).items():  # Clipped by 1e-6 it would be near 0 (or the norm inf).
+        np.testing.assert_array_equal(state(clipped)[path][0], value, err_msg=path)
+    moved = [
+        np.abs(a.numpy() - b.numpy()).max()
+        for a, b in zip(free.trainable_weights, clipped.trainable_weights, strict=True)
+    ]
+    assert max(moved) > 1e-4  # The weights were clipped.
+
+
+def test_a_skipped_update_leaves_the_float8_state_untouched():
+    keras.config.set_dtype_policy("mixed_float16")  # float8 on float16: loss scaling, skips.
+    model = build()
+    assert sorted(float8.quantize(model)) == ["hidden", "hidden2"]
+    tfmp.fit(model, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+    before, iterations = state(model), int(model.optimizer.iterations.numpy())
+    bad = X.copy()
+    bad[0, 0] = 1e6  # inf in float16: the update overflows and is skipped.
+    tfmp.fit(model, tf.data.Dataset.from_tensor_slices((bad, Y)).batch(8), epochs=1, jit_compile=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == iterations  # Skipped.
+    for path, value in state(model).items():
+        np.testing.assert_array_equal(value[0], before[path][0], err_msg=path)
+
+
+def test_resume_restores_the_float8_state_exactly(tmp_path):
+    tfmp.configure_precision("float8")
+    unbroken = build()
+    tfmp.fit(unbroken, data(batch=4, repeat=1), epochs=3, jit_compile=False, verbose=0)
+    first = build()
+    tfmp.fit(first, data(batch=4, repeat=1), epochs=2, checkpoint_dir=str(tmp_path), jit_compile=False, verbose=0)
+    resumed = build()
+    tfmp.fit(resumed, data(batch=4, repeat=1), epochs=3, checkpoint_dir=str(tmp_path), jit_compile=False, verbose=0)
+    for a, b in zip(unbroken.variables, resumed.variables, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=a.path)
+
+
+def test_quantize_refuses_a_model_whose_optimizer_is_built():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = build()
+    model.fit(X, Y, epochs=1, verbose=0)
+    with pytest.raises(tfmp.UsageError, match="optimizer .* was built"):
+        float8.quantize(model)

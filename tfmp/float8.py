@@ -1,0 +1,100 @@
+"""float8 training on Keras' own float8 layers, correct under tf.distribute.
+
+`tfmp.configure_precision("float8")` computes in bfloat16 and runs the matmuls of the
+model's Dense and EinsumDense layers in float8 (Keras' `quantize("float8")`: E4M3 for
+inputs and kernels, E5M2 for the output gradients, delayed scaling from an amax history).
+tfmp.fit quantizes the model when it first trains it; `quantize(model)` does it by hand.
+
+Keras keeps each float8 layer's scales and amax histories in variables that the optimizer
+overwrites with their "gradients" (`overwrite_with_gradient`). Under a strategy Keras takes
+replica 0's new values, so the other replicas' activations and gradients are scaled by a
+history that never saw them. tfmp's steps take the maximum over replicas (and over the
+micro-batches of an accumulated update) instead: after every update the state is the same
+on every replica and equal to that of one replica that saw the whole global batch. It is
+no gradient: it is neither clipped nor counted in the gradient norm, and a skipped update
+leaves it untouched.
+"""
+
+import re
+
+import keras
+
+from tfmp import heads, keras_compat
+from tfmp.errors import UsageError
+
+POLICY = "float8"
+E4M3_MAX = 448.0  # float8_e4m3fn: inputs and kernels.
+E5M2_MAX = 57344.0  # float8_e5m2: output gradients.
+E4M3_SMALLEST = 2.0**-9  # Its smallest subnormal: anything smaller (after scaling) flushes to zero.
+E5M2_SMALLEST = 2.0**-16
+_QUANTIZABLE = (keras.layers.Dense, keras.layers.EinsumDense)
+
+
+def is_state(variable):
+    """Whether `variable` is float8 state (a scale or an amax history), not a weight."""
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def quantized_layers(model):
+    """The layers of `model` whose matmuls run in float8."""
+    return [layer for layer in keras_compat.sublayers(model) if getattr(layer, "quantization_mode", None) == "float8"]
+
+
+def _heads(model):
+    """Layers that make a model output (through weightless layers such as a softmax), and
+    those inside a `tfmp.ClassificationHead`."""
+    found = {id(layer) for layer in keras_compat.output_layers(model)}
+    for layer in keras_compat.sublayers(model):
+        if isinstance(layer, heads.ClassificationHead):
+            found.update(id(sub) for sub in keras_compat.sublayers(layer))
+    return found
+
+
+def candidates(model, exclude=()):
+    """The layers `quantize` would run in float8: every Dense and EinsumDense (their exact
+    classes, as Keras quantizes) computing in 16 bits, except heads (the layers making the
+    model's outputs, and those in a `tfmp.ClassificationHead`) and those matching `exclude`."""
+    patterns = [exclude] if isinstance(exclude, str) else list(exclude)
+    skip = _heads(model)
+    chosen = []
+    for layer in keras_compat.sublayers(model):
+        if type(layer) not in _QUANTIZABLE or getattr(layer, "quantization_mode", None):
+            continue
+        name = layer.path or layer.name
+        if layer.compute_dtype == "float32" or id(layer) in skip:
+            continue
+        if any(re.fullmatch(p, name) or re.fullmatch(p, layer.name) for p in patterns):
+            continue
+        chosen.append(layer)
+    return chosen
+
+
+def quantize(model, exclude=()):
+    """Runs the matmuls of `model`'s eligible layers (`candidates`) in float8, in place.
+
+    Args:
+        model: a built Keras model whose optimizer is not built yet (it must be built
+            with the float8 state variables).
+        exclude: layer names or full-match regular expressions to leave in 16 bits.
+
+    Returns:
+        The paths of the layers now running in float8.
+
+    Raises:
+        UsageError: the model is not built, or its optimizer has already trained it.
+    """
+    if not model.built:
+        raise UsageError(f"float8: build {model.name} first (call it on a batch) so that its layers can be quantized")
+    chosen = candidates(model, exclude)
+    optimizer = getattr(model, "optimizer", None)
+    if chosen and optimizer is not None and optimizer.built:
+        raise UsageError(
+            f"float8: the optimizer of {model.name} was built for its variables before float8 added its own; "
+            "quantize the model before it first trains (tfmp.fit does so when the policy is float8), or compile "
+            "it again with a new optimizer"
+        )
+    if chosen:
+        ids = {id(layer) for layer in chosen}
+        with model.distribute_strategy.scope():  # Mirrored state for a mirrored model.
+            model.quantize("float8", filters=lambda layer: id(layer) in ids)
+    return [layer.path or layer.name for layer in chosen]
