@@ -134,3 +134,23 @@ def test_quantize_refuses_a_model_whose_optimizer_is_built():
     model.fit(X, Y, epochs=1, verbose=0)
     with pytest.raises(tfmp.UsageError, match="optimizer .* was built"):
         float8.quantize(model)
+
+
+def test_doctor_names_the_layer_float8_would_flush():
+    """`hidden` takes features near 1e-4 beside features near 10: under a scale set by the
+    largest, E4M3 flushes the small ones to zero. `hidden2` is fine."""
+    tfmp.configure_precision("float8")
+    model = build()
+    wide = rng.normal(size=(64, 8)).astype(np.float32)
+    wide[:, :4] *= 1e-4
+    wide[:, 4:] *= 10
+    batches = tf.data.Dataset.from_tensor_slices((wide, rng.integers(0, 4, 64))).batch(16)
+    diagnosis = tfmp.diagnose(model, batches, steps=4)
+    records = {r["name"]: r for r in diagnosis.float8}
+    assert set(records) == {"hidden", "hidden2"}  # Not the head.
+    assert records["hidden"]["inputs_flushed"] > 0.1 and records["hidden"]["inputs_amax"] > 10
+    assert records["hidden2"]["inputs_flushed"] < 0.01
+    assert diagnosis.keep_bfloat16 == ["hidden"] and "leave in bfloat16 (float8 exclude): hidden" in diagnosis.table()
+    assert float8.quantize(model, exclude=diagnosis.keep_bfloat16) == ["hidden2"]
+    history = tfmp.fit(model, batches, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()

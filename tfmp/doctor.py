@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import keras_compat  # noqa: E402
+from tfmp import float8, keras_compat, precision  # noqa: E402
 from tfmp.errors import UsageError  # noqa: E402
 
 FLOAT16_MAX = 65504.0
@@ -54,6 +54,8 @@ class _Calls:
         self.input_max = np.zeros(len(layers))
         self.output_max = np.zeros(len(layers))
         self.casts = [keras_compat.casts_inputs(layer) for layer in layers]  # In the model's own policies.
+        self.float8 = set()  # Indices of the layers whose matmul inputs and outputs are kept (see `matmuls`).
+        self.matmuls = {}  # Index -> (inputs, outputs) of its last call while recording.
         self.recording = False
         self.new_pass()
 
@@ -70,6 +72,8 @@ class _Calls:
             if self.casts[i]:
                 self.input_max[i] = max(self.input_max[i], _max_abs((args, kwargs)))
             self.output_max[i] = max(self.output_max[i], _max_abs(outputs))
+            if i in self.float8:
+                self.matmuls[i] = (args[0], outputs)
 
     def outputs(self):
         """Each layer's outputs in this pass (a list per layer: one item per call)."""
@@ -150,6 +154,14 @@ class Diagnosis:
         bfloat16_sensitive: layers whose output moves more than 5% in bfloat16.
         steps: float32 training steps measured.
         histogram: counts of floor(log2 |gradient|) over all layers, per integer bin.
+        float8: per Dense / EinsumDense layer that runs (or would run) in float8: the
+            amax of its inputs and kernel (E4M3, max 448) and of its output gradients
+            (E5M2, max 57344), and the fractions Keras' delayed scaling flushes to zero or
+            saturates (`tfmp.float8.DelayedScaling`).
+        keep_bfloat16: those float8 layers to leave in bfloat16 (`tfmp.float8.quantize`'s
+            `exclude`).
+        show_float8: whether `table()` shows the float8 part (the model or the policy
+            is float8).
     """
 
     layers: list
@@ -158,6 +170,9 @@ class Diagnosis:
     bfloat16_sensitive: list
     steps: int
     histogram: dict
+    float8: list = dataclasses.field(default_factory=list)
+    keep_bfloat16: list = dataclasses.field(default_factory=list)
+    show_float8: bool = False
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -184,7 +199,27 @@ class Diagnosis:
         lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
         if self.bfloat16_sensitive:
             lines.append(f"bfloat16-sensitive (>5% output error): {', '.join(self.bfloat16_sensitive)}")
+        if self.show_float8 and self.float8:
+            lines += self._float8_lines()
         return "\n".join(lines)
+
+    def _float8_lines(self):
+        lines = [
+            "float8 matmuls, delayed scaling (flushed: non-zero values lost to zero; saturated: clipped at the "
+            "format's maximum; after the first step):",
+            f"  {'layer':24s} {'inputs E4M3 amax':>16s} {'flushed':>8s} {'satur.':>7s} {'kernel amax':>11s} "
+            f"{'flushed':>8s} {'grads E5M2 amax':>15s} {'flushed':>8s} {'satur.':>7s}",
+        ]
+        for r in self.float8:
+            lines.append(
+                f"  {r['name'][:24]:24s} {r['inputs_amax']:16.3g} {r['inputs_flushed']:8.2%} "
+                f"{r['inputs_saturated']:7.2%} "
+                f"{r['kernel_amax']:11.3g} {r['kernel_flushed']:8.2%} {r['output_gradients_amax']:15.3g} "
+                f"{r['output_gradients_flushed']:8.2%} {r['output_gradients_saturated']:7.2%}"
+                + ("  <- leave in bfloat16" if r["keep_bfloat16"] else "")
+            )
+        lines.append(f"leave in bfloat16 (float8 exclude): {', '.join(self.keep_bfloat16) or 'none'}")
+        return lines
 
     def save(self, directory):
         """Writes diagnosis.json and gradients.png into `directory`; returns their paths."""
@@ -299,6 +334,14 @@ def diagnose(model, data, steps=8):
         grad_max = np.zeros(len(layers))
         bf16_error = np.zeros(len(layers))
         order, done = None, 0
+        calls.float8 = {
+            i for i, layer in enumerate(layers) if id(layer) in {id(m) for m in float8.matmul_layers(model)}
+        }
+        e4m3, e5m2 = (float8.E4M3_MAX, float8.E4M3_SMALLEST), (float8.E5M2_MAX, float8.E5M2_SMALLEST)
+        delayed = {
+            i: [float8.DelayedScaling(*e4m3), float8.DelayedScaling(*e4m3), float8.DelayedScaling(*e5m2)]
+            for i in calls.float8
+        }
         for batch in data.take(steps):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             if done == 0:  # bfloat16: the same batch forward, each layer's output against float32's.
@@ -311,7 +354,13 @@ def diagnose(model, data, steps=8):
             with keras_compat.policies([model, *layers], "float32"), tf.GradientTape() as tape:
                 loss = _loss(model, y, session.forward(x, training=True), sample_weight)
             calls.recording = False
-            grads = tape.gradient(loss, variables)
+            matmuls = sorted(calls.matmuls.items())
+            grads, output_grads = tape.gradient(loss, (variables, [outputs for _, (_, outputs) in matmuls]))
+            for (i, (inputs, _)), output_grad in zip(matmuls, output_grads, strict=True):
+                delayed[i][0].add(inputs)
+                delayed[i][1].add(layers[i].kernel)
+                if output_grad is not None:
+                    delayed[i][2].add(output_grad)
             for v, g in zip(variables, grads, strict=True):
                 if g is None or id(v) not in owner:
                     continue
@@ -326,7 +375,13 @@ def diagnose(model, data, steps=8):
     if not done:
         raise UsageError("diagnose got no batches from the data")
     order += [i for i in range(len(layers)) if i not in order]  # Layers the forward pass never called.
-    return _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, done)
+    diagnosis = _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, done)
+    diagnosis.float8 = [
+        float8.layer_report(layers[i].path or layers[i].name, *delayed[i]) for i in sorted(delayed, key=order.index)
+    ]
+    diagnosis.keep_bfloat16 = [r["name"] for r in diagnosis.float8 if r["keep_bfloat16"]]
+    diagnosis.show_float8 = bool(float8.quantized_layers(model)) or precision.float8_enabled()
+    return diagnosis
 
 
 def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, steps):

@@ -20,7 +20,13 @@ def define_flags():
     flags.DEFINE_string("dataset", None, "Dataset (default: the shipped sample for the model's input kind).")
     flags.DEFINE_string("data_dir", None, "Where TFDS looks for prepared datasets.")
     flags.DEFINE_enum(
-        "policy", "mixed_float16", ["mixed_float16", "mixed_bfloat16"], "The policy the model is built under."
+        "policy",
+        "mixed_float16",
+        ["mixed_float16", "mixed_bfloat16", "float8"],
+        "The policy the model is built under (float8: bfloat16 with float8 matmuls).",
+    )
+    flags.DEFINE_string(
+        "baseline", None, "The policy --parity compares --policy with (default: float32; mixed_bfloat16 for float8)."
     )
     flags.DEFINE_integer("steps", 8, "float32 training steps the diagnosis measures.")
     flags.DEFINE_integer("batch_size", 128, "Global batch size.")
@@ -56,7 +62,8 @@ def run_parity():
         print(f"  {policy:15s} seed {seed}: test accuracy {accuracy:.4f}", flush=True)
         return accuracy
 
-    result = doctor.parity(run, FLAGS.seeds, ("float32", FLAGS.policy))
+    baseline = FLAGS.baseline or ("mixed_bfloat16" if FLAGS.policy == "float8" else "float32")
+    result = doctor.parity(run, FLAGS.seeds, (baseline, FLAGS.policy))
     for policy in result["policies"]:
         r = result[policy]
         print(f"{policy:15s} mean {r['mean']:.4f}  std {r['std']:.4f}  over seeds 0..{FLAGS.seeds - 1}")
@@ -65,6 +72,10 @@ def run_parity():
         f"difference {result['difference']:+.4f}, standard error {result['noise']:.4f}: {verdict} the seed-to-seed "
         "noise (2 standard errors)"
     )
+    if FLAGS.policy == "float8":  # The float8 target: within half a point of its base.
+        close = abs(result["difference"]) <= 0.005
+        verdict = "within" if close else "BEYOND"
+        print(f"float8 against {baseline}: {100 * result['difference']:+.2f} points, {verdict} 0.5 point")
     return result
 
 
@@ -72,7 +83,7 @@ def run_diagnosis():
     import keras
 
     import models
-    from tfmp import data, doctor
+    from tfmp import data, doctor, float8, precision
 
     entry = models.MODELS[FLAGS.model]
     ds = data.load(
@@ -83,11 +94,13 @@ def run_diagnosis():
         repeat=True,
         drop_remainder=True,
     )
-    keras.config.set_dtype_policy(FLAGS.policy)
+    precision.apply_policy(precision.resolve_policy(FLAGS.policy))
     if entry.kind == "image":
         model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
     else:
         model = entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size())
+    if precision.float8_enabled():
+        float8.quantize(model)
     models.compile(model, keras.optimizers.Adam(1e-3))
     diagnosis = doctor.diagnose(model, ds.train, FLAGS.steps)
     print(diagnosis.table())

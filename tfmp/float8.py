@@ -18,6 +18,7 @@ leaves it untouched.
 import re
 
 import keras
+import numpy as np
 
 from tfmp import heads, keras_compat
 from tfmp.errors import UsageError
@@ -98,3 +99,60 @@ def quantize(model, exclude=()):
         with model.distribute_strategy.scope():  # Mirrored state for a mirrored model.
             model.quantize("float8", filters=lambda layer: id(layer) in ids)
     return [layer.path or layer.name for layer in chosen]
+
+
+def matmul_layers(model):
+    """The layers running in float8 now, or that `quantize` would run in float8."""
+    return quantized_layers(model) + candidates(model)
+
+
+FLUSH_LIMIT = 0.01  # A layer losing more of a tensor's non-zero values than this stays in bfloat16.
+SATURATION_LIMIT = 0.01  # Likewise for values clipped at the format's maximum.
+
+
+class DelayedScaling:
+    """What Keras' delayed scaling does to one tensor over steps: its scale is the largest
+    amax of the steps before divided by the format's maximum (1 at the first step, whose
+    history is empty); a value beyond the maximum after scaling saturates, one below half
+    the smallest subnormal flushes to zero. Fractions count the steps after the first.
+
+    Args:
+        fmt_max: the format's largest value (E4M3_MAX or E5M2_MAX).
+        smallest: its smallest subnormal (E4M3_SMALLEST or E5M2_SMALLEST).
+    """
+
+    def __init__(self, fmt_max, smallest):
+        self.fmt_max, self.smallest = fmt_max, smallest
+        self.amax, self.steps = 0.0, 0
+        self.values = self.flushed = self.saturated = 0
+
+    def add(self, values):
+        magnitudes = np.abs(np.asarray(values, np.float64)).ravel()
+        scale = self.amax / self.fmt_max if self.amax > 0 else 1.0
+        if self.steps:
+            scaled = magnitudes[magnitudes > 0] / scale
+            self.values += scaled.size
+            self.flushed += int(np.count_nonzero(scaled < self.smallest / 2))
+            self.saturated += int(np.count_nonzero(scaled > self.fmt_max))
+        self.amax = max(self.amax, float(magnitudes.max(initial=0.0)))
+        self.steps += 1
+
+    def record(self):
+        return {
+            "amax": self.amax,
+            "flushed": self.flushed / self.values if self.values else 0.0,
+            "saturated": self.saturated / self.values if self.values else 0.0,
+        }
+
+
+def layer_report(name, inputs, kernel, gradients):
+    """A float8 layer's record for the doctor, from the `DelayedScaling` of its inputs and
+    kernel (E4M3) and of its output gradients (E5M2); `keep_bfloat16` when any loses more
+    than `FLUSH_LIMIT` of its values to zero or saturates more than `SATURATION_LIMIT`."""
+    record = {"name": name}
+    for key, tracked in (("inputs", inputs), ("kernel", kernel), ("output_gradients", gradients)):
+        record.update({f"{key}_{k}": v for k, v in tracked.record().items()})
+    lost = [record[f"{key}_flushed"] for key in ("inputs", "kernel", "output_gradients")]
+    clipped = [record[f"{key}_saturated"] for key in ("inputs", "kernel", "output_gradients")]
+    record["keep_bfloat16"] = max(lost) > FLUSH_LIMIT or max(clipped) > SATURATION_LIMIT
+    return record
