@@ -85,3 +85,24 @@ def test_two_worker_processes_match_one_process(tmp_path):
         assert code == 0, err[-3000:]
     for i in range(2):
         assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))
+
+
+def test_float8_state_on_two_worker_processes_is_that_of_one_process(tmp_path):
+    """Each worker sees its own half of every global batch; the float8 amax histories and
+    scales after training are the same on both and equal to one process's."""
+    env = {**ENV, "USER_SCRIPT_PRECISION": "float8"}
+    command = [sys.executable, SCRIPT, str(tmp_path / "one.npz"), "-", "0", "0"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    os.environ["USER_SCRIPT_PRECISION"] = "float8"  # For the workers start_workers starts.
+    try:
+        results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))
+    finally:
+        del os.environ["USER_SCRIPT_PRECISION"]
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    one, first, second = (load(tmp_path / f"{name}.npz.float8.npz") for name in ("one", "w0", "w1"))
+    assert len(one) == 6 and any(a.max() > 0 for a in one)  # The hidden layer's 3 scales and 3 histories.
+    for a, b, c in zip(first, second, one, strict=True):
+        np.testing.assert_array_equal(a, b)  # The same on both workers.
+        np.testing.assert_allclose(a, c, rtol=2**-6)  # As one process (bfloat16's last bits aside).

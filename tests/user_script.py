@@ -2,6 +2,9 @@
 
     python tests/user_script.py OUT.npz [CHECKPOINT_DIR|-] [SECONDS_PER_BATCH] [DROPOUT] [BATCH]
 
+USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and also saves
+the float8 state (scales, amax histories) to OUT.float8.npz.
+
 OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
 all get the same arguments (python -m tfmp.launch).
 
@@ -67,6 +70,9 @@ if __name__ == "__main__":
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 32
     tfmp.set_seed(0, deterministic=True)
     strategy = tfmp.get_strategy("auto")
+    policy = os.environ.get("USER_SCRIPT_PRECISION")  # float8: its float8 state is saved too.
+    if policy:
+        tfmp.configure_precision(policy)
     with strategy.scope():
         model = build(dropout)
     try:
@@ -90,3 +96,5 @@ if __name__ == "__main__":
         print(f"lost a peer: {e}", file=sys.stderr)
         sys.exit(76)
     np.savez(out, *[w.numpy() for w in model.weights])
+    if policy == "float8":
+        np.savez(out + ".float8.npz", *[np.asarray(v.value) for v in model.weights if tfmp.float8.is_state(v)])
