@@ -69,6 +69,12 @@ flags.DEFINE_list(
     "Layer names or regular expressions (full match), comma-separated, built in float32 under a mixed "
     "policy; e.g. what --diagnose recommends.",
 )
+flags.DEFINE_list(
+    "float8_exclude",
+    [],
+    "Under --precision=float8: Dense / EinsumDense layers (names or full-match regular expressions) whose "
+    "matmuls stay in bfloat16; e.g. what --diagnose recommends.",
+)
 flags.DEFINE_bool(
     "diagnose",
     False,

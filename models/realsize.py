@@ -33,6 +33,21 @@ def bert_base(num_classes=2):
     )
 
 
+def encoder_4096(num_classes=2):
+    """A wider encoder, where the matmuls dominate: 4 layers of width 4096 (32 heads,
+    16384 feed-forward), sequence 128."""
+    return transformer.build(
+        num_classes,
+        vocab_size=30522,
+        sequence_length=128,
+        embed_dim=4096,
+        num_heads=32,
+        ff_dim=16384,
+        num_layers=4,
+        dropout=0.1,
+    )
+
+
 def synthetic(name, batch_size, seed=0):
     """An endless dataset of one random batch of the model's input and labels."""
     rng = np.random.default_rng(seed)
@@ -45,4 +60,4 @@ def synthetic(name, batch_size, seed=0):
     return tf.data.Dataset.from_tensors((x, y)).repeat()
 
 
-MODELS = {"resnet50": resnet50, "bert_base": bert_base}
+MODELS = {"resnet50": resnet50, "bert_base": bert_base, "encoder_4096": encoder_4096}

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import models
 from models import realsize
-from tfmp import autotune, benchlib, callbacks, lockstep, loop, loss_scale, timing
+from tfmp import autotune, benchlib, callbacks, float8, lockstep, loop, loss_scale, precision, timing
 
 TRAINERS = ("tfmp", "keras")
 CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
@@ -29,9 +29,13 @@ class FitRunner:
     """
 
     def __init__(self, trainer, policy, build, dataset, batch_size, jit_compile):
-        keras.config.set_dtype_policy(policy)
+        keras.config.set_dtype_policy(precision.FLOAT8_BASE if policy == "float8" else policy)
         keras.utils.set_random_seed(0)
         self.model = build()
+        if policy == "float8" and trainer == "tfmp":
+            float8.quantize(self.model)  # tfmp's choice of layers: the heads stay in bfloat16.
+        elif policy == "float8":
+            self.model.quantize("float8")  # As a Keras user does: every Dense and EinsumDense.
         optimizer = keras.optimizers.Adam(1e-3)
         # Keras wraps its own LossScaleOptimizer under mixed_float16, as a Keras user gets it.
         models.compile(self.model, loss_scale.wrap_optimizer(optimizer) if trainer == "tfmp" else optimizer)
@@ -247,6 +251,8 @@ def share_text(pick):
 def _speedup(row):
     """A row's median speedup over float32, with its standard error (none for float32)."""
     error = row.get("speedup_vs_float32_error")
+    if row.get("speedup_vs_float32") is None:  # float32 was not among the policies.
+        return "-"
     return f"{row['speedup_vs_float32']:.2f}x" + (f" ±{error:.2f}" if error else "")
 
 

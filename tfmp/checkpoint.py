@@ -162,6 +162,7 @@ EXACT = (
     "batch_size",
     "precision",
     "keep_float32",
+    "float8_exclude",
     "seed",
     "grad_accum_steps",
     "replicas",

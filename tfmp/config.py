@@ -50,6 +50,7 @@ class Config:
     trial_seconds: float | None = None  # The precision trial's alternating rounds (None: autotune's default).
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
+    float8_exclude: tuple = ()  # Under float8: layers whose matmuls stay in bfloat16.
     diagnose: bool = False  # Run the numerics doctor on the model and data instead of training.
     warmup_steps: int = 3  # Steps left out of the examples/second figure.
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
@@ -103,11 +104,12 @@ def validate(config):
             raise UsageError(f"--vocab_size must be >= 3, got {config.vocab_size}")
         if config.sequence_length < 1:
             raise UsageError(f"--sequence_length must be >= 1, got {config.sequence_length}")
-    for pattern in config.keep_float32:
-        try:
-            re.compile(pattern)
-        except re.error as e:
-            raise UsageError(f"--keep_float32: {pattern!r} is not a regular expression ({e})") from e
+    for flag in ("keep_float32", "float8_exclude"):
+        for pattern in getattr(config, flag):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise UsageError(f"--{flag}: {pattern!r} is not a regular expression ({e})") from e
     if config.export_dir:
         check_writable(config.export_dir, "--export_dir")
     check_writable(config.model_dir, "--model_dir")

@@ -21,6 +21,7 @@ from tfmp import (
     distribute,
     doctor,
     export,
+    float8,
     inputs,
     loop,
     loss_scale,
@@ -177,6 +178,7 @@ def _train_and_evaluate(config, out, cleanup):
         "steps_per_epoch": steps,
         "epochs": config.epochs,
         "keep_float32": list(config.keep_float32),
+        "float8_exclude": list(config.float8_exclude),
     }
     checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
     if chief:
@@ -185,9 +187,15 @@ def _train_and_evaluate(config, out, cleanup):
     def build_model():
         with precision.keep_float32(list(config.keep_float32)):
             if entry.kind == "image":
-                return entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-            vocab_size = ds.vectorizer.vocabulary_size()
-            return entry.build(ds.source.num_classes, vocab_size=vocab_size, sequence_length=config.sequence_length)
+                model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
+            else:
+                vocab_size = ds.vectorizer.vocabulary_size()
+                model = entry.build(
+                    ds.source.num_classes, vocab_size=vocab_size, sequence_length=config.sequence_length
+                )
+        if precision.float8_enabled():  # Before compile builds the optimizer (tfmp.float8).
+            float8.quantize(model, exclude=list(config.float8_exclude))
+        return model
 
     if config.diagnose:
         return _diagnose(config, build_model, strategy, ds, out)
