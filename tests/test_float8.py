@@ -154,3 +154,12 @@ def test_doctor_names_the_layer_float8_would_flush():
     assert float8.quantize(model, exclude=diagnosis.keep_bfloat16) == ["hidden2"]
     history = tfmp.fit(model, batches, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
+
+
+def test_auto_never_picks_float8_and_float8_says_where_it_is_emulated():
+    hopper = precision.Hardware(gpu_capability=(9, 0), gpu_name="H100")
+    assert precision.resolve_policy("auto", hopper).policy == "mixed_bfloat16"
+    assert precision.resolve_policy("float8", hopper).warning is None  # float8 units: no warning.
+    ampere = precision.resolve_policy("float8", precision.Hardware(gpu_capability=(8, 0), gpu_name="A100"))
+    assert "compute capability 8.0 (float8 units need 8.9 or more)" in ampere.warning
+    assert "on a CPU is emulated" in precision.resolve_policy("float8", precision.Hardware()).warning
