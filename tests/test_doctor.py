@@ -300,3 +300,15 @@ def test_keep_float32_on_a_built_model_refuses_unknown_names():
         tfmp.keep_float32(model, ["energyy"])
     with pytest.raises(tfmp.UsageError, match="not a regular expression"):
         tfmp.keep_float32(model, ["("])
+
+
+def test_keep_float32_on_a_loaded_model_makes_it_train(tmp_path):
+    keras.config.set_dtype_policy("mixed_float16")
+    overflowing().save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    diagnosis = tfmp.diagnose(loaded, data(), steps=2)
+    assert tfmp.keep_float32(loaded, diagnosis.keep_float32) == ["blowup"]
+    assert loaded.get_layer("blowup").compute_dtype == "float32" and tfmp.audit(loaded) == []
+    loaded.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-4), diagnosis.recommended_loss_scale), "mse")
+    history = tfmp.fit(loaded, data(), epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
