@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp.errors import TrainingError
 from tfmp.steps import STEP_STATE
 
 
@@ -30,28 +29,20 @@ class Throughput(keras.callbacks.Callback):
     Args:
         global_batch: examples per training step over all replicas.
         warmup_steps: steps at the start of training not timed (tracing, allocation).
-        budget_seconds: if set, stop training once this much wall time has passed since
-            training began (benchmarks use it to cut off very slow candidates).
     """
 
-    def __init__(self, global_batch, warmup_steps=3, budget_seconds=None):
+    def __init__(self, global_batch, warmup_steps=3):
         super().__init__()
         self.global_batch = global_batch
         self.warmup_steps = warmup_steps
-        self.budget_seconds = budget_seconds
         self.step_ends = []
-        self.cut_off = False
         self._begin = None
 
     def on_train_begin(self, logs=None):
         self._begin = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
-        now = time.perf_counter()
-        self.step_ends.append(now)
-        if self.budget_seconds is not None and now - self._begin > self.budget_seconds:
-            self.cut_off = True
-            self.model.stop_training = True
+        self.step_ends.append(time.perf_counter())
 
     @property
     def step_times(self):
@@ -73,33 +64,6 @@ def peak_memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB.
 
 
-def probe_grad_norm(optimizer, strategy):
-    """Makes `optimizer.apply` record the global norm of the (unscaled) gradients it gets.
-
-    Returns the variable that holds it. Under `model.fit` with several replicas the
-    gradients an optimizer sees are each replica's own, so the value read is their mean
-    norm; tfmp's custom loop passes all-reduced gradients, so there it is the global norm.
-    """
-    with strategy.scope():
-        norm = tf.Variable(
-            0.0,
-            trainable=False,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.MEAN,
-            name="tfmp_grad_norm",
-        )
-    apply = optimizer.apply
-    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-
-    def apply_and_measure(grads, trainable_variables=None):
-        scale = optimizer.dynamic_scale if scaled and optimizer.built else 1.0
-        norm.assign(tf.linalg.global_norm([tf.cast(g, tf.float32) for g in grads if g is not None]) / scale)
-        return apply(grads, trainable_variables)
-
-    optimizer.apply = apply_and_measure
-    return norm
-
-
 def first_non_finite(variables):
     """The path of the first variable holding a NaN or inf, or None."""
     for v in variables:
@@ -112,12 +76,11 @@ HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "gr
 _NOT_METRICS = {*STEP_STATE, "steps", "updates"}  # tfmp.fit's step state and call sizes.
 
 
-class Monitor(keras.callbacks.Callback):
+class Monitor:
     """What mixed precision is doing, step by step: TensorBoard scalars, warnings, history.
 
-    Works as a Keras callback under `model.fit` and is driven by hand by the custom loop
-    (`on_train_batch_end(step, logs)`). Every `log_every` steps it writes, under
-    `MODEL_DIR/tensorboard`: loss, accuracy, learning rate, loss scale, skipped steps
+    `tfmp.fit` hands it each update's outputs (`record`). Every `log_every` steps it writes,
+    under `MODEL_DIR/tensorboard`: loss, accuracy, learning rate, loss scale, skipped steps
     (count and rate), gradient global norm, examples/second, step time and peak memory.
     It warns once when the loss scale falls below 1 or more than `skip_warning` of the
     recent steps were skipped. Each step's figures also go to `history.csv`.
@@ -128,30 +91,14 @@ class Monitor(keras.callbacks.Callback):
         examples_per_step: examples per training step, for examples/second.
         log_every: steps between TensorBoard writes.
         start_step: the step training resumes from.
-        grad_norm: a variable from `probe_grad_norm`, for loops whose logs lack it.
         skip_warning: the fraction of skipped steps (over the last 100) that warns.
-        steps_per_call: training steps between two calls (Keras' steps_per_execution);
-            the custom loop says it in `logs["steps"]` instead.
     """
 
-    def __init__(
-        self,
-        model_dir,
-        optimizer,
-        examples_per_step,
-        log_every=10,
-        start_step=0,
-        grad_norm=None,
-        skip_warning=0.05,
-        steps_per_call=1,
-    ):
-        super().__init__()
-        self.steps_per_call = steps_per_call
-        self.optimizer = optimizer
+    def __init__(self, model_dir, optimizer, examples_per_step, log_every=10, start_step=0, skip_warning=0.05):
+        self.scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         self.examples_per_step = examples_per_step
         self.log_every = log_every
         self.step = start_step
-        self.grad_norm = grad_norm
         self.skip_warning = skip_warning
         self.history_path = os.path.join(model_dir, "history.csv")
         self.writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
@@ -164,36 +111,27 @@ class Monitor(keras.callbacks.Callback):
         self._last = time.perf_counter()
         self._unflushed = 0
 
-    def on_train_end(self, logs=None):
-        self.flush()
-
-    def loss_scale(self, logs):
-        if not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-            return None
-        return float(logs["loss_scale"]) if "loss_scale" in logs else float(self.optimizer.dynamic_scale.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        logs = logs or {}
+    def record(self, step, logs):
+        """One call's outputs from tfmp.fit's steps: `steps` (batches) and `updates` in it,
+        `iterations` (updates applied so far), `loss_scale`, `learning_rate`, `grad_norm`
+        and the model's metrics."""
         now = time.perf_counter()
         step_time, self._last = now - self._last, now
-        steps = int(logs.get("steps", self.steps_per_call))
-        updates = int(logs.get("updates", steps))  # Fewer than steps under gradient accumulation.
+        steps, updates = int(logs["steps"]), int(logs["updates"])  # Fewer updates under accumulation.
         self.step += steps
-        # tfmp.fit returns these from its compiled step; under model.fit they are read here.
-        applied = int(logs["iterations"]) if "iterations" in logs else int(self.optimizer.iterations.numpy())
+        applied = int(logs["iterations"])
         skipped = updates - (applied - self._applied)
         self._applied = applied
         self.skipped += skipped
         self.recent.extend([1] * skipped + [0] * (updates - skipped))
         self.metrics = {k: float(v) for k, v in logs.items() if k not in _NOT_METRICS and np.ndim(v) == 0}
-        grad_norm = logs.get("grad_norm", self.grad_norm.read_value() if self.grad_norm is not None else np.nan)
         row = {
             "step": self.step,
             "loss": float(logs.get("loss", np.nan)),
             "accuracy": float(logs.get("accuracy", np.nan)),
-            "loss_scale": self.loss_scale(logs),
-            "learning_rate": float(logs.get("learning_rate", tf.convert_to_tensor(self.optimizer.learning_rate))),
-            "grad_norm": float(grad_norm),
+            "loss_scale": float(logs["loss_scale"]) if self.scaled else None,
+            "learning_rate": float(logs["learning_rate"]),
+            "grad_norm": float(logs["grad_norm"]),
             "skipped_steps": self.skipped,
         }
         self.rows.append(row)
@@ -278,23 +216,6 @@ def _read_history(path, up_to_step):
         writer.writeheader()
         writer.writerows(rows)
     return rows
-
-
-class NonFiniteGuard(keras.callbacks.Callback):
-    """Stops `model.fit` with a `TrainingError` naming the first non-finite weight.
-
-    A non-finite loss stops training unless a loss scale can still absorb it (float16
-    with the scale at 1 or more: that step was skipped and the scale halved).
-    """
-
-    def __init__(self, optimizer):
-        super().__init__()
-        self.optimizer = optimizer
-
-    def on_train_batch_end(self, batch, logs=None):
-        message = non_finite_message((logs or {}).get("loss", 0.0), self.optimizer, self.model)
-        if message:
-            raise TrainingError(message)
 
 
 def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None):

@@ -425,9 +425,7 @@ class _Run:
                 f.write(str(update.step))
         logs = self._logs(out)
         if self.monitor is not None:
-            self.monitor.on_train_batch_end(
-                update.step, {**out, **logs, "steps": update.batches, "updates": update.updates}
-            )
+            self.monitor.record(update.step, {**out, **logs, "steps": update.batches, "updates": update.updates})
         message = tfmp_callbacks.non_finite_message(
             out["step_loss"],
             self.steps.optimizer,

@@ -41,7 +41,7 @@ class Data:
         """The training batches at the global batch size, for one process."""
         return self.make_train()
 
-    def distribute(self, strategy, skip_steps=0, options=None):
+    def distribute(self, strategy, options=None):
         """Training input for `strategy`: each worker builds and reads only its own shard.
 
         Uses `distribute_datasets_from_function`, so a multi-worker or TPU-pod job reads
@@ -49,17 +49,14 @@ class Data:
 
         Args:
             strategy: the run's strategy.
-            skip_steps: training steps already done (a resumed run): the seeded order is
-                replayed and that many steps' batches are skipped, so the input continues
-                exactly where the checkpoint left it.
             options: `tf.data.Options` to merge into each pipeline's own, if any.
         """
         if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
-            ds = self.make_train(skip=skip_steps) if skip_steps else self.train
+            ds = self.train
             return ds.with_options(options) if options else ds
 
         def dataset_fn(context):
-            ds = self.make_train(context, skip=skip_steps)
+            ds = self.make_train(context)
             return ds.with_options(options) if options else ds
 
         return strategy.distribute_datasets_from_function(dataset_fn)
