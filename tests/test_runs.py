@@ -146,10 +146,6 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, trai
     assert after == before
 
 
-def test_matrix_has_40_cases():
-    assert len(CASES) >= 40
-
-
 def test_tf_config_faults(monkeypatch, capsys, tmp_path):
     for value, words in [
         ("{not json", "not valid JSON"),
