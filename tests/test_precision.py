@@ -48,8 +48,8 @@ def test_float16_on_modern_gpu_does_not_warn():
 
 
 def test_unknown_policy_names_choices():
-    with pytest.raises(UsageError, match="'float8'.*auto, mixed_float16, mixed_bfloat16, float32"):
-        precision.configure_precision("float8")
+    with pytest.raises(UsageError, match="'float4'.*auto, mixed_float16, mixed_bfloat16, float32, float8"):
+        precision.configure_precision("float4")
 
 
 def test_detect_this_machine():

@@ -15,7 +15,7 @@ import time
 
 from absl import logging
 
-from tfmp import benchlib, precision, timing
+from tfmp import benchlib, files, precision, timing
 from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -133,10 +133,7 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
         "seconds": seconds,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    os.makedirs(cache_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(cache, f, indent=2)
-    os.replace(path + ".tmp", path)
+    files.write_json(path, cache)
     logging.info("Autotune chose %s", chosen)
     how = f"autotune, measured now: {verdict.reason}"
     return Decision(chosen, f"{how}\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)

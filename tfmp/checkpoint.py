@@ -7,6 +7,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
+from tfmp import files
 from tfmp.errors import TrainingError, UsageError, first_line
 
 
@@ -209,9 +210,7 @@ def check_settings(run_dir, settings, latest_path, force=False):
 def save_settings(run_dir, settings):
     """Writes the run's settings beside its checkpoints (atomically)."""
     path = os.path.join(run_dir, SETTINGS_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(settings, f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    files.write_json(path, settings)
 
 
 def check_writable(path, flag):

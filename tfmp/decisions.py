@@ -12,6 +12,7 @@ import os
 
 from absl import logging
 
+from tfmp import files
 from tfmp.errors import UsageError
 
 FILE = "decisions.json"
@@ -34,16 +35,13 @@ def recorded(directory, name):
 
 def record(directory, name, value, reason):
     """Records decision `name` in `directory` (atomically, keeping the other decisions)."""
-    os.makedirs(directory, exist_ok=True)
     target = path(directory)
     kept = {}
     if os.path.exists(target):
         with open(target) as f:
             kept = json.load(f)
     kept[name] = {"value": value, "reason": reason}
-    with open(target + ".tmp", "w") as f:
-        json.dump(kept, f, indent=2, sort_keys=True)
-    os.replace(target + ".tmp", target)
+    files.write_json(target, kept)
 
 
 def reused_reason(directory, entry):

@@ -2,9 +2,6 @@
 
 import csv
 import hashlib
-import json
-import os
-import tempfile
 
 import numpy as np
 
@@ -33,15 +30,6 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)
-
-
-def write_json_atomically(path, obj):
-    """Writes `obj` as JSON to `path` via a temporary file and a rename: never half-written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        tmp = f.name
-    os.replace(tmp, path)
 
 
 def weights_fingerprint(model):

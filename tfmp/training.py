@@ -21,6 +21,7 @@ from tfmp import (
     distribute,
     doctor,
     export,
+    files,
     float8,
     inputs,
     loop,
@@ -321,7 +322,7 @@ def _train_and_evaluate(config, out, cleanup):
             model, config.export_dir, np.asarray(sample) if entry.kind == "image" else sample, ds.vectorizer
         )
     path = os.path.join(model_dir, "metrics.json")
-    report.write_json_atomically(path, metrics)
+    files.write_json(path, metrics)
     print(
         f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s; "
         f"{skipped} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})",
