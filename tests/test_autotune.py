@@ -59,6 +59,8 @@ def test_autotune_times_every_policy_and_caches(tmp_path, monkeypatch):
             assert timing.losing({p: r[: len(values)] for p, r in rounds.items()}, "float32", policy)
     assert metrics["policy"] == entry["policy"] == timing.decide(rounds, "float32").choice
     assert "autotune, measured now" in out and "<- chosen" in out and "examples/s" in out
+    # Its cost said before it ran.
+    assert out.index("precision: timing float32, mixed_bfloat16, mixed_float16 on the model") < out.index("<- chosen")
     keras.backend.clear_session()
     again, out = run(tmp_path)  # The same command in the same directory: the recorded decision.
     assert again["policy"] == metrics["policy"] and "as recorded in" in out and "autotune, measured now" in out

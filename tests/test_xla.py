@@ -88,7 +88,7 @@ def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirr
         np.testing.assert_allclose(a, b, atol=2e-3)  # float16 compute, fused differently by XLA.
 
 
-def test_auto_follows_the_measurement(monkeypatch):
+def test_auto_follows_the_measurement(monkeypatch, capsys):
     verdicts = iter(
         [
             {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},
@@ -99,7 +99,9 @@ def test_auto_follows_the_measurement(monkeypatch):
     monkeypatch.setattr(xla, "_VERDICTS", {})
     monkeypatch.setattr(xla, "_deterministic", lambda: False)  # Another test may have turned it on.
     data = regression_data()
-    faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
+    faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=2)
+    printed = capsys.readouterr().out  # The timing's cost is said before it runs, then the choice.
+    assert printed.index("XLA: timing the step with and without XLA for up to") < printed.index("XLA: on (auto:")
     monkeypatch.setattr(xla, "_VERDICTS", {})
     slower = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
     assert faster.params["jit_compile"] is True and slower.params["jit_compile"] is False

@@ -97,7 +97,7 @@ def table(rows, chosen):
     return "\n".join(lines)
 
 
-def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates=CANDIDATES, **trial_kwargs):
+def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates=CANDIDATES, say=None, **trial_kwargs):
     """Chooses the fastest candidate policy with a finite loss, or reads the cached choice.
 
     Args:
@@ -108,6 +108,7 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
         global_batch: the global batch size.
         cache_dir: where autotune.json keeps choices per (device, key).
         candidates: the policies to time.
+        say: hears what the trial will cost before it runs (e.g. `print`).
         **trial_kwargs: passed to `trial` (budget_seconds, clock).
 
     Returns:
@@ -124,6 +125,9 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
         entry = cache[cache_key]
         how = f"autotune, cached in {path}: {entry['reason']}"
         return Decision(entry["policy"], f"{how}\n{table(entry['rows'], entry['policy'])}")
+    if say is not None:
+        budget = trial_kwargs.get("budget_seconds") or TRIAL_SECONDS
+        say(f"precision: timing {', '.join(candidates)} on the model, up to {budget:g} s of rounds after warm-up")
     rows, verdict, seconds = trial(candidates, build_model, ds, strategy, global_batch, **trial_kwargs)
     chosen = verdict.choice
     cache[cache_key] = {

@@ -136,6 +136,7 @@ def fit(
         checkpoint_dir,
         per_replica=train_input.fn is not None,
         reuse=distribute.num_workers(strategy) < 2,
+        say=(lambda line: print(line, flush=True)) if verbose != 0 else None,
     )
     if verbose != 0 and jit_compile == "auto":
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)

@@ -209,14 +209,29 @@ def _train_and_evaluate(config, out, cleanup):
             decision = precision.resolve_policy("auto")
         elif trial:
             decision = autotune.autotune(
-                key, build_model, ds, strategy, plan.global_batch, model_dir, trial, budget_seconds=config.trial_seconds
+                key,
+                build_model,
+                ds,
+                strategy,
+                plan.global_batch,
+                model_dir,
+                trial,
+                budget_seconds=config.trial_seconds,
+                say=lambda line: print(line, file=out, flush=True),
             )
             how = decision.reason[len("autotune, ") :]
             reason = f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
             decision = decision._replace(reason=reason)
         else:
             decision = autotune.autotune(
-                key, build_model, ds, strategy, plan.global_batch, model_dir, budget_seconds=config.trial_seconds
+                key,
+                build_model,
+                ds,
+                strategy,
+                plan.global_batch,
+                model_dir,
+                budget_seconds=config.trial_seconds,
+                say=lambda line: print(line, file=out, flush=True),
             )
         precision.apply_policy(decision)
     decisions.say_if_different(model_dir, "precision", recorded, decision.policy)
@@ -239,7 +254,13 @@ def _train_and_evaluate(config, out, cleanup):
         model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
     )
     jit_compile, jit_reason, chosen_now = xla.resolve_run(
-        compiled, train_input.element_spec, JIT_COMPILE[config.jit_compile], model_dir, per_replica=True, reuse=one_host
+        compiled,
+        train_input.element_spec,
+        JIT_COMPILE[config.jit_compile],
+        model_dir,
+        per_replica=True,
+        reuse=one_host,
+        say=lambda line: print(line, file=out, flush=True),
     )
     if chosen_now and chief:  # This process holds --model_dir's lock.
         decisions.record(model_dir, "jit_compile", jit_compile, jit_reason)

@@ -125,10 +125,11 @@ def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
         model.reset_metrics()
 
 
-def resolve(steps, element_spec, jit_compile, per_replica=False):
+def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
 
-    `element_spec` is a global batch's, or one replica's when `per_replica`."""
+    `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g.
+    `print`) hears, before "auto" times XLA, what that will cost."""
     check(jit_compile)
     if jit_compile is False:
         steps.compile(False)
@@ -158,6 +159,11 @@ def resolve(steps, element_spec, jit_compile, per_replica=False):
         why = f"auto {who}: {'GPUs: on' if use else 'CPUs: off'} (a rule, not a timing, so that all runs agree)"
     else:
         if key not in _VERDICTS:
+            if say is not None:
+                say(
+                    f"XLA: timing the step with and without XLA for up to {AUTO_BUDGET_SECONDS:g} s "
+                    '(jit_compile="auto"; True or False skips it)'
+                )
             _VERDICTS[key] = timing.decide(measure(steps, batches), baseline=OFF)
         verdict = _VERDICTS[key]
         use, why = verdict.choice == ON, f"auto: {verdict.reason}"
@@ -189,7 +195,7 @@ def _show(use):
     return ON if use else OFF
 
 
-def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True):
+def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True, say=None):
     """`resolve` for a run kept in `directory`: where "auto" decided before for this
     directory (a resumed run, or a rerun of the same command), that decision is taken
     again, so that the run trains as the recorded one did; a decision that differs from
@@ -198,6 +204,7 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
     Args:
         reuse: False where the recorded decision must not be taken (several workers,
             which must all decide alike, and may not all see `directory`).
+        say: hears what a timing will cost before it runs (see `resolve`).
 
     Returns:
         (XLA on?, why, whether it is a choice "auto" made now: `decisions.record` it as
@@ -205,12 +212,12 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
     """
     entry = decisions.recorded(directory, "jit_compile")
     if jit_compile == "auto" and entry is not None and reuse:
-        use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica)
+        use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica, say)
         if use == entry["value"]:
             why = decisions.reused_reason(directory, entry)
         chosen_now = False
     else:
-        use, why = resolve(steps, element_spec, jit_compile, per_replica)
+        use, why = resolve(steps, element_spec, jit_compile, per_replica, say)
         chosen_now = jit_compile == "auto" and directory is not None and entry is None
     decisions.say_if_different(directory, "XLA", entry, use, _show)
     return use, why, chosen_now
