@@ -3,6 +3,7 @@ release that changes one of them fails here, by name."""
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 import tfmp
 from tfmp import keras_compat
@@ -98,3 +99,46 @@ def test_forgetting_compiled_functions_makes_fit_trace_with_the_new_dtype():
     assert model.train_function is None and model.predict_function is None
     model.fit(x, y, verbose=0)
     assert model.train_function is not None
+
+
+def _compiled_model():
+    model = _nested()
+    model.compile(keras.optimizers.Adam(1e-3), "mse", metrics=["mae"])
+    return model
+
+
+def test_symbolic_build_builds_model_loss_metrics_and_optimizer():
+    model = _compiled_model()
+    spec = (tf.TensorSpec((None, 4)), tf.TensorSpec((None, 2)))
+    keras_compat.symbolic_build(model, spec)
+    assert model.optimizer.built and model.metrics_variables  # What a step needs before it traces.
+    loss, metrics = keras_compat.compiled(model)
+    assert loss is not None and metrics is not None
+    assert keras_compat.compiled(_nested()) == (None, None)
+
+
+def test_compute_loss_is_the_compiled_loss_plus_regularization():
+    model = _compiled_model()
+    x, y = np.ones((4, 4), "float32"), np.zeros((4, 2), "float32")
+    y_pred = keras_compat.call(model, x, training=True)
+    loss = keras_compat.compute_loss(model, x, y, y_pred, None, training=True)
+    np.testing.assert_allclose(float(loss), float(np.mean(np.square(np.asarray(y_pred)))), rtol=1e-6)
+
+
+def test_slots_are_the_optimizers_own():
+    variable = keras.Variable(np.ones(3, "float32"))
+    adam = keras.optimizers.Adam(0.1)
+    adam.apply([tf.constant([1.0, 2.0, 3.0])], [variable])
+    m, v = keras_compat.slot(adam, "momentums", variable), keras_compat.slot(adam, "velocities", variable)
+    np.testing.assert_allclose(np.asarray(m), [0.1, 0.2, 0.3], rtol=1e-6)  # (1 - beta_1) g.
+    np.testing.assert_allclose(np.asarray(v), [0.001, 0.004, 0.009], rtol=1e-5)  # (1 - beta_2) g^2.
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    sgd.apply([tf.constant([1.0, 1.0, 1.0])], [variable])
+    np.testing.assert_allclose(np.asarray(keras_compat.slot(sgd, "momentums", variable)), [-0.1] * 3, rtol=1e-6)
+    assert keras_compat.trained_variables(sgd) == [variable]
+
+
+def test_new_collective_keys_move_the_key_base_on():
+    before = tf.distribute.MirroredStrategy._collective_key_base  # noqa: SLF001
+    keras_compat.new_collective_keys()
+    assert tf.distribute.MirroredStrategy._collective_key_base == before + 100000  # noqa: SLF001

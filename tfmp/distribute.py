@@ -9,6 +9,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
+from tfmp import keras_compat
 from tfmp.errors import UsageError, first_line
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
@@ -67,7 +68,7 @@ def _mirrored_strategy():
     # second one in the same process (a notebook that trains twice) would reuse the
     # first one's keys and fail with "Shape mismatch in the collective instance". A fresh
     # base per strategy keeps them apart (TensorFlow's own tests do the same).
-    tf.distribute.MirroredStrategy._collective_key_base += 100000  # noqa: SLF001
+    keras_compat.new_collective_keys()
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
     if gpus:

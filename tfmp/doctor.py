@@ -259,7 +259,7 @@ class Diagnosis:
 
 
 def _loss(model, y, y_pred, sample_weight):
-    compiled = getattr(model, "_compile_loss", None)
+    compiled = keras_compat.compiled(model)[0]
     terms = [compiled(y, y_pred, sample_weight)] if compiled is not None else []
     terms += list(model.losses)
     if not terms:

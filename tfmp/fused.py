@@ -20,6 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfmp import keras_compat
+
 
 def _float(value):
     return tf.cast(value, tf.float32)
@@ -28,13 +30,12 @@ def _float(value):
 def _adam(optimizer, gradient, variable, learning_rate):
     # Keras: alpha = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
     # v += (g^2 - v)(1 - b2); var -= alpha * m / (sqrt(v) + epsilon), t = iterations + 1.
-    index = optimizer._get_variable_index(variable)  # noqa: SLF001 - how Adam finds its slots.
     step = _float(optimizer.iterations + 1)
     beta_1, beta_2 = _float(optimizer.beta_1), _float(optimizer.beta_2)
     tf.raw_ops.ResourceApplyAdam(
         var=variable.handle,
-        m=optimizer._momentums[index].handle,  # noqa: SLF001
-        v=optimizer._velocities[index].handle,  # noqa: SLF001
+        m=keras_compat.slot(optimizer, "momentums", variable).handle,
+        v=keras_compat.slot(optimizer, "velocities", variable).handle,
         beta1_power=tf.pow(beta_1, step),
         beta2_power=tf.pow(beta_2, step),
         lr=_float(learning_rate),
@@ -54,7 +55,7 @@ def _sgd(optimizer, gradient, variable, learning_rate):
         return
     tf.raw_ops.ResourceApplyKerasMomentum(
         var=variable.handle,
-        accum=optimizer.momentums[optimizer._get_variable_index(variable)].handle,  # noqa: SLF001
+        accum=keras_compat.slot(optimizer, "momentums", variable).handle,
         lr=_float(learning_rate),
         grad=_float(gradient),
         momentum=_float(optimizer.momentum),

@@ -5,7 +5,7 @@ import inspect
 import keras
 import tensorflow as tf
 
-from tfmp import distribute
+from tfmp import distribute, keras_compat
 from tfmp.errors import UsageError, first_line
 
 
@@ -130,11 +130,11 @@ def build_for(model, strategy, element_spec):
                         f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
                         f"{tuple(spec.shape)}"
                     )
-    if y is None and getattr(model, "_compile_loss", None) is not None:
+    if y is None and keras_compat.compiled(model)[0] is not None:
         raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
     with strategy.scope():
         try:
-            model._symbolic_build(data_batch=element_spec)  # noqa: SLF001 - what model.fit does first.
+            keras_compat.symbolic_build(model, element_spec)  # What model.fit does first.
         except (ValueError, TypeError) as e:
             first = first_line(e, 300)
             raise UsageError(f"the data does not fit the model or its compiled loss: {first}") from e

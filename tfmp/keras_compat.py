@@ -1,15 +1,65 @@
-"""Uses of Keras internals, in one place, each with a test in tests/test_keras_compat.py.
+"""Uses of Keras (and TensorFlow) internals, in one place, each with a test in
+tests/test_keras_compat.py: a release that changes one of them fails the test named after it.
 
 Keras 3 has no public API for a layer's sublayers, for swapping a built layer's dtype
-policy without writing into a shared `DTypePolicyMap`, or for seeing what a layer's `call`
-received and returned. The doctor needs all three, on any model (Sequential, functional,
-subclassed), without copying it. A Keras upgrade that changes one of these fails the test
-named after it.
+policy without writing into a shared `DTypePolicyMap`, for seeing what a layer's `call`
+received and returned (the doctor needs these, on any model, without copying it), for
+building a model with its compiled loss and metrics from a data spec, for the loss
+`model.fit` computes, or for an optimizer's slot variables (tfmp's fused updates).
+
+Besides these, tfmp overrides two hooks Keras calls: `LossScaleOptimizer._tf_apply`
+(tfmp.loss_scale) and the optimizer's `_all_reduce_sum_gradients` / `update_step`, set for
+the duration of a step by `tfmp.steps.reduced_gradients`; tests/test_loss_scale.py and
+tests/test_fused.py cover them.
 """
 
 import contextlib
 
 import keras
+import tensorflow as tf
+
+
+def symbolic_build(model, element_spec):
+    """Builds `model`, its compiled loss and metrics and its optimizer from a data spec,
+    as `model.fit` does before its first step."""
+    model._symbolic_build(data_batch=element_spec)  # noqa: SLF001
+
+
+def compiled(model):
+    """What `model.compile` set up: (its compiled loss, its compiled metrics), to tell
+    when a model was compiled again; None for what was not compiled."""
+    return getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None)
+
+
+def compute_loss(model, x, y, y_pred, sample_weight, training):
+    """The loss `model.fit` minimizes: compiled losses with their weights and sample
+    weights, each a mean over the global batch under a strategy, plus regularization."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
+
+
+def call(model, x, training):
+    """`model(x, training=training)`, or `model(x)` where its `call` takes no `training`."""
+    return model(x, training=training) if model._call_has_training_arg else model(x)  # noqa: SLF001
+
+
+def slot(optimizer, name, variable):
+    """The slot variable `name` ("momentums", "velocities") that `optimizer` keeps for
+    `variable` (Adam's first and second moments, SGD's momentum)."""
+    slots = getattr(optimizer, f"_{name}", None)  # Adam's; SGD keeps `momentums` without the underscore.
+    slots = getattr(optimizer, name) if slots is None else slots
+    return slots[optimizer._get_variable_index(variable)]  # noqa: SLF001
+
+
+def trained_variables(optimizer):
+    """The variables a built Keras optimizer was built for."""
+    return optimizer._trainable_variables  # noqa: SLF001
+
+
+def new_collective_keys():
+    """Moves MirroredStrategy's collective key base on, so that the next MirroredStrategy
+    in this process does not reuse the keys of one made before (TensorFlow's own tests do
+    the same)."""
+    tf.distribute.MirroredStrategy._collective_key_base += 100000  # noqa: SLF001
 
 
 def sublayers(model):

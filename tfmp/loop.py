@@ -177,7 +177,7 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
     loss_scale.for_model(model, strategy)
     # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
     # second fit (or evaluate) with the same setup traces and compiles nothing again.
-    key = (strategy, model.optimizer, model._compile_loss, model._compile_metrics)  # noqa: SLF001
+    key = (strategy, model.optimizer, *keras_compat.compiled(model))
     # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
     dtypes = tuple((layer.compute_dtype, layer.quantization_mode) for layer in keras_compat.sublayers(model))
     settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes)

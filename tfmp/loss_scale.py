@@ -124,7 +124,7 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
         dynamic_growth_steps=int(growth_steps or optimizer.dynamic_growth_steps),
     )
     if optimizer.built:  # Carry on where it was: same scale, same count towards the next growth.
-        wrapped.build(optimizer.inner_optimizer._trainable_variables)  # noqa: SLF001 - inner build is a no-op.
+        wrapped.build(keras_compat.trained_variables(optimizer.inner_optimizer))  # Its inner build is a no-op.
         wrapped.dynamic_scale.assign(optimizer.dynamic_scale)
         wrapped.step_counter.assign(optimizer.step_counter)
     return wrapped

@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, float8, fused, gradients
+from tfmp import distribute, float8, fused, gradients, keras_compat
 from tfmp.errors import first_line
 from tfmp.loss_scale import LossScaleOptimizer
 
@@ -74,10 +74,6 @@ def is_xla_error(error):
     """Whether a TensorFlow error says XLA could not compile a function."""
     text = str(error)
     return "XLA" in text or "unsupported operations when trying to compile" in text
-
-
-def _call(model, x, training):
-    return model(x, training=training) if model._call_has_training_arg else model(x)  # noqa: SLF001
 
 
 class Steps:
@@ -235,10 +231,10 @@ class Steps:
         for batch in batches:  # Unrolled: n is small.
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             with tf.GradientTape() as tape:
-                y_pred = _call(model, x, training=True)
+                y_pred = keras_compat.call(model, x, training=True)
                 # A mean over the global batch (Keras divides each replica's mean by the
                 # replica count), plus regularization counted once after the sum.
-                loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)  # noqa: SLF001
+                loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = tape.gradient(scaled, self.variables)
             if grads is None:
@@ -343,8 +339,8 @@ class Steps:
         tracker.update_state(value, sample_weight=count)
 
     def _replica_forward(self, x, y, sample_weight):
-        y_pred = _call(self.model, x, training=False)
-        loss = self.model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)  # noqa: SLF001
+        y_pred = keras_compat.call(self.model, x, training=False)
+        loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, training=False)
         return y_pred, loss
 
     def _replica_test(self, batch):
