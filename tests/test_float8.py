@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import float8, precision
+from tfmp import float8, keras_compat, loop, precision
 
 rng = np.random.default_rng(0)
 X = rng.normal(size=(8, 8)).astype(np.float32)
@@ -163,3 +163,27 @@ def test_auto_never_picks_float8_and_float8_says_where_it_is_emulated():
     ampere = precision.resolve_policy("float8", precision.Hardware(gpu_capability=(8, 0), gpu_name="A100"))
     assert "compute capability 8.0 (float8 units need 8.9 or more)" in ampere.warning
     assert "on a CPU is emulated" in precision.resolve_policy("float8", precision.Hardware()).warning
+
+
+def test_the_gradient_norm_leaves_the_float8_state_out():
+    """Clipping and the NaN guard use the norm of the weights' gradients only: the new
+    amax histories (values near 100 here) are not gradients."""
+    tfmp.configure_precision("float8")
+    model, twin = build(), build()
+    for m in (model, twin):
+        float8.quantize(m)
+    steps = loop.prepare(model, tf.distribute.get_strategy(), data().element_spec)
+    reported = float(steps.train(iter(data()))["grad_norm"])
+    loop.prepare(twin, tf.distribute.get_strategy(), data().element_spec)
+
+    @tf.function  # Keras' float8 custom gradients want a graph.
+    def gradients():
+        with tf.GradientTape() as tape:
+            loss = keras_compat.compute_loss(twin, X, Y, twin(X, training=True), None, training=True)
+        return tape.gradient(loss, twin.trainable_variables)
+
+    grads = gradients()
+    weights = [g for g, v in zip(grads, twin.trainable_variables, strict=True) if not float8.is_state(v)]
+    state = [g for g, v in zip(grads, twin.trainable_variables, strict=True) if float8.is_state(v)]
+    np.testing.assert_allclose(reported, float(tf.linalg.global_norm(weights)), rtol=1e-2)
+    assert float(tf.linalg.global_norm(weights + state)) > 2 * reported  # Counting the state would show.
