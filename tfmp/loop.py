@@ -85,7 +85,7 @@ def fit(
         validation_freq: validate every this many epochs.
         callbacks: Keras callbacks (EarlyStopping, ModelCheckpoint, TensorBoard, ...).
             tfmp.fit queues each update before it reads the one before (one copy of its
-            outputs), so the device never waits for the host; a callback with batch
+            outputs), so the device need not wait for the host; a callback with batch
             hooks of its own sees each update end before the next one starts, as under
             `model.fit`, unless it sets `async_safe = True` (Keras' own flag).
         strategy: default: the strategy the model was built under.
