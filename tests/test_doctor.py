@@ -312,3 +312,14 @@ def test_keep_float32_on_a_loaded_model_makes_it_train(tmp_path):
     loaded.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-4), diagnosis.recommended_loss_scale), "mse")
     history = tfmp.fit(loaded, data(), epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
+
+
+def test_diagnose_a_model_built_under_a_mirrored_strategy(mirrored):
+    keras.config.set_dtype_policy("mixed_float16")
+    with mirrored.scope():
+        model = overflowing()
+    before = [w.numpy().copy() for w in model.weights]
+    diagnosis = tfmp.diagnose(model, data(), steps=3)
+    assert diagnosis.keep_float32 == ["blowup"] and diagnosis.steps == 3
+    for a, b in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(a, b.numpy())

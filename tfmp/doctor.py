@@ -30,7 +30,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tfmp import float8, keras_compat, precision  # noqa: E402
+from tfmp import float8, gradients, keras_compat, precision  # noqa: E402
 from tfmp.errors import UsageError  # noqa: E402
 
 FLOAT16_MAX = 65504.0
@@ -370,7 +370,7 @@ def diagnose(model, data, steps=8):
                 hist[i] += counts
                 zeros[i] += z
                 grad_max[i] = max(grad_max[i], float(values.max(initial=0.0)))
-            optimizer.apply(grads, variables)
+            _apply(model.distribute_strategy, optimizer, grads, variables)
             done += 1
     if not done:
         raise UsageError("diagnose got no batches from the data")
@@ -382,6 +382,21 @@ def diagnose(model, data, steps=8):
     diagnosis.keep_bfloat16 = [r["name"] for r in diagnosis.float8 if r["keep_bfloat16"]]
     diagnosis.show_float8 = bool(float8.quantized_layers(model)) or precision.float8_enabled()
     return diagnosis
+
+
+def _apply(strategy, optimizer, grads, variables):
+    """Applies the gradients of the whole batch. Under a strategy (a model built in its
+    scope) Keras' optimizer applies in a replica context and sums what each replica
+    gives: each gives its share."""
+    replicas = strategy.num_replicas_in_sync
+    share = [g if g is None or replicas == 1 else gradients.scale(g, 1.0 / replicas) for g in grads]
+    logger, level = tf.get_logger(), tf.get_logger().level
+    logger.setLevel("ERROR")  # Not "Using MirroredStrategy eagerly has significant overhead": a few steps.
+    try:
+        with strategy.scope():
+            strategy.run(optimizer.apply, args=(share, variables))
+    finally:
+        logger.setLevel(level)
 
 
 def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, steps):
