@@ -3,6 +3,7 @@ after the next update is queued; a wait only where a value is due (checkpoint, S
 epoch end, a callback that must see each update end)."""
 
 import sys
+import time
 
 import keras
 import numpy as np
@@ -116,3 +117,32 @@ def test_a_checkpoint_holds_exactly_the_updates_it_counts(tmp_path, monkeypatch)
     tfmp.fit(model, _data(), steps_per_epoch=6, epochs=1, checkpoint_dir=str(tmp_path), checkpoint_every=2, verbose=0)
     saves = [e for e in events if e != "queue"]
     assert saves == [("save", 2, 2), ("save", 4, 4), ("save", 6, 6)]
+
+
+class _Sleep(keras.layers.Layer):
+    """30 ms of host time in every forward pass."""
+
+    def call(self, x):
+        def sleep(value):
+            time.sleep(0.03)
+            return value
+
+        return tf.reshape(tf.numpy_function(sleep, [x], tf.float32, stateful=True), tf.shape(x))
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def test_throughput_times_each_step_once_while_reads_lag():
+    """Every step sleeps 30 ms in a host call: each timed window holds one step, none two
+    and none zero (timing batch ends would, where an update's end is handled a step late)."""
+    from tfmp import callbacks
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(4)(_Sleep()(inputs)))
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    timer = callbacks.Throughput(8, warmup_steps=2)
+    tfmp.fit(model, _data(), steps_per_epoch=10, epochs=1, jit_compile=False, verbose=0, callbacks=[timer])
+    assert len(timer.step_times) == 8
+    assert all(0.025 < t < 0.055 for t in timer.step_times), timer.step_times

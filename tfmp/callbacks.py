@@ -23,8 +23,11 @@ def examples_per_second(step_times, global_batch):
 class Throughput(keras.callbacks.Callback):
     """Measures training examples/second from the end of the warm-up steps to the last step.
 
-    The window runs from one batch end to the next, so it holds everything a step costs:
-    input waits, the step itself and every callback.
+    Each window runs from one batch's begin to the next's (the last to the end of
+    training), so it holds everything a step costs: input waits, the step itself and every
+    callback. Begins, not ends: tfmp.fit handles an update's end after queuing the next
+    one, and on a CPU that runs it, so its batch ends lag a step behind; its batch begins
+    do not, nor do Keras fit's.
 
     Args:
         global_batch: examples per training step over all replicas.
@@ -35,20 +38,20 @@ class Throughput(keras.callbacks.Callback):
         super().__init__()
         self.global_batch = global_batch
         self.warmup_steps = warmup_steps
-        self.step_ends = []
-        self._begin = None
+        self.step_begins = []
+        self._end = None
 
-    def on_train_begin(self, logs=None):
-        self._begin = time.perf_counter()
+    def on_train_batch_begin(self, batch, logs=None):
+        self.step_begins.append(time.perf_counter())
 
-    def on_train_batch_end(self, batch, logs=None):
-        self.step_ends.append(time.perf_counter())
+    def on_train_end(self, logs=None):
+        self._end = time.perf_counter()
 
     @property
     def step_times(self):
         """Seconds of each timed step (after warm-up); with fewer steps, all but the first."""
-        ends = [self._begin, *self.step_ends]
-        times = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        stamps = self.step_begins + ([self._end] if self._end is not None else [])
+        times = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
         return times[self.warmup_steps :] if len(times) > self.warmup_steps + 1 else times[1:]
 
     @property
