@@ -187,3 +187,13 @@ def test_the_gradient_norm_leaves_the_float8_state_out():
     state = [g for g, v in zip(grads, twin.trainable_variables, strict=True) if float8.is_state(v)]
     np.testing.assert_allclose(reported, float(tf.linalg.global_norm(weights)), rtol=1e-2)
     assert float(tf.linalg.global_norm(weights + state)) > 2 * reported  # Counting the state would show.
+
+
+def test_float8_ends_when_another_policy_is_set():
+    tfmp.configure_precision("float8")
+    assert precision.float8_enabled()
+    keras.config.set_dtype_policy("mixed_bfloat16")  # The same base, set by hand: not float8.
+    assert not precision.float8_enabled()
+    model = build()
+    tfmp.fit(model, data(), epochs=1, verbose=0)
+    assert not float8.quantized_layers(model)

@@ -145,7 +145,7 @@ _SLOW_POLICY_WARNINGS = {
     "mixed_bfloat16": _emulated_bfloat16_warning,
     "float8": _float8_warning,
 }
-_float8 = [False]  # Whether the policy applied last is float8 (the Keras policy is its base).
+_float8 = [None]  # The Keras policy object float8 set (its base), while float8 is the policy.
 
 
 class Decision(typing.NamedTuple):
@@ -209,14 +209,16 @@ def apply_policy(decision):
     logging.info("Precision: %s (%s)", decision.policy, decision.reason)
     if decision.warning:
         logging.warning(decision.warning)
-    _float8[0] = decision.policy == "float8"
-    keras.config.set_dtype_policy(FLOAT8_BASE if _float8[0] else decision.policy)
+    policy = keras.DTypePolicy(FLOAT8_BASE) if decision.policy == "float8" else decision.policy
+    keras.config.set_dtype_policy(policy)
+    _float8[0] = policy if decision.policy == "float8" else None
     return decision.policy
 
 
 def float8_enabled():
-    """Whether the policy is float8: applied by tfmp, and the Keras policy still its base."""
-    return _float8[0] and keras.config.dtype_policy().name == FLOAT8_BASE
+    """Whether the policy is float8: the global Keras policy is still the very object that
+    float8 set (a policy set since, even mixed_bfloat16 again, ends it)."""
+    return _float8[0] is not None and keras.config.dtype_policy() is _float8[0]
 
 
 def compute_dtype():
