@@ -31,10 +31,14 @@ _EXPORTS = {
     "set_seed": "tfmp.seed",
 }
 
-__all__ = ["__version__", *sorted(_EXPORTS)]
+_MODULES = ("float8",)  # tfmp.float8.quantize(model, exclude=...), tfmp.float8.is_state(variable).
+
+__all__ = ["__version__", *sorted(_EXPORTS), *_MODULES]
 
 
 def __getattr__(name):
+    if name in _MODULES:
+        return importlib.import_module(f"tfmp.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
