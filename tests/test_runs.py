@@ -70,7 +70,7 @@ def _garbage_checkpoint(d):
 # (case id, flags, words in the one error line, how to prepare an existing run directory)
 CASES = [
     ("unknown model", ["--model=vgg"], "--model=vgg", None),
-    ("unknown precision", ["--precision=float8"], "float8", None),
+    ("unknown precision", ["--precision=float4"], "float4", None),
     ("unknown strategy", ["--strategy=gpus"], "gpus", None),
     ("unknown lr scaling", ["--lr_scaling=cubic"], "cubic", None),
     ("unknown resume", ["--resume=maybe"], "maybe", None),

@@ -90,7 +90,8 @@ def _train_and_evaluate(config, out, cleanup):
     """Trains `config.model` (or resumes it), evaluates it, and writes the run's files.
 
     Into `config.model_dir` (the chief only): metrics.json, history.csv, training.png,
-    tensorboard/ and checkpoints/; into `config.export_dir`: model.keras and saved_model/.
+    tensorboard/, checkpoints/, run.json and decisions.json; into `config.export_dir`:
+    model.keras and saved_model/.
 
     Args:
         config: a `Config`.
@@ -106,28 +107,20 @@ def _train_and_evaluate(config, out, cleanup):
     """
     validate(config)
     entry = models.MODELS[config.model]
+    say = lambda line: print(line, file=out, flush=True)  # noqa: E731
 
     # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
     # starts its runtime, which listing devices for the precision choice would do.
     strategy = distribute.get_strategy(config.strategy, config.tpu)
     # 2. Seed.
     seed.set_seed(config.seed, config.deterministic)
-    # 3. Precision: decided once, here; everything after reads the global policy. (Autotune
-    # needs the data and the model, so it decides in step 5.) What "auto" decided for this
-    # --model_dir before is taken again (one host: several must all decide alike).
+    # 3. Precision: decided once, here; everything after reads the global policy (a timed
+    # trial needs the data and the model: step 5).
     chief = distribute.is_chief(strategy)
     # Only the chief writes to --model_dir; other workers write to a temporary place.
     model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
     one_host = distribute.num_workers(strategy) == 1
-    recorded = decisions.recorded(model_dir, "precision")
-    reuse = recorded if one_host and config.precision in ("auto", precision.AUTOTUNE) else None
-    trial = precision.auto_trial_candidates() if config.precision == "auto" and not reuse else None
-    if reuse:
-        decision = precision.resolve_policy(reuse["value"])._replace(reason=decisions.reused_reason(model_dir, reuse))
-        precision.apply_policy(decision)
-    elif config.precision != precision.AUTOTUNE and not trial:
-        decision = precision.resolve_policy(config.precision)
-        precision.apply_policy(decision)
+    decision, trial, recorded = _precision_before_data(config, model_dir, one_host)
     # 4. The batch split.
     plan = distribute.plan_batch(
         config.batch_size,
@@ -139,6 +132,147 @@ def _train_and_evaluate(config, out, cleanup):
         workers=distribute.num_workers(strategy),
     )
     # 5. Data, in global batches; every grad_accum_steps of them make one update.
+    dataset, ds = _load_data(config, entry, plan, strategy)
+    steps = _steps_per_epoch(config, ds, plan)
+    _check_batch_memory(plan, ds.source, config)
+    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
+    latest = checkpoint.latest(checkpoint_dir)
+    start = checkpoint.step_of(latest)
+    # Everything checked: from here on the run writes, and owns --model_dir while it does.
+    if chief:
+        cleanup.enter_context(checkpoint.RunLock(config.model_dir))
+    settings = _settings(config, dataset, plan, strategy, steps)
+    checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
+    if chief:
+        checkpoint.save_settings(config.model_dir, settings)
+    build_model = _model_builder(config, entry, ds)
+    if config.diagnose:
+        return _diagnose(config, build_model, strategy, ds, out)
+    if decision is None:  # Timed on the model itself.
+        decision = _precision_by_trial(config, trial, build_model, ds, strategy, plan, model_dir, say)
+    decisions.say_if_different(model_dir, "precision", recorded, decision.policy)
+    if chief and recorded is None and config.precision in ("auto", precision.AUTOTUNE):
+        decisions.record(model_dir, "precision", decision.policy, decision.reason)
+    # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
+    # first: a precision trial (measured, cached or none) must not change the weights.
+    seed.set_seed(config.seed, config.deterministic)
+    with strategy.scope():
+        model = build_model()
+        optimizer = loss_scale.wrap_optimizer(
+            keras.optimizers.Adam(plan.learning_rate), config.loss_scale_initial, config.loss_scale_growth_steps
+        )
+        models.compile(model, optimizer)
+    problems = audit(model)
+    if problems:
+        logging.warning("Low-precision outputs: %s", "; ".join(problems))
+    train_input = inputs.Input(ds.make_train, strategy, steps * plan.grad_accum_steps, plan.grad_accum_steps, "data")
+    compiled = loop.prepare(
+        model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
+    )
+    jit = xla.resolve_run(
+        compiled,
+        train_input.element_spec,
+        JIT_COMPILE[config.jit_compile],
+        model_dir,
+        per_replica=True,
+        reuse=one_host,
+        say=say,
+    )
+    if jit[2] and chief:  # Chosen now; this process holds --model_dir's lock.
+        decisions.record(model_dir, "jit_compile", jit[0], jit[1])
+    say(report.summary(config, decision, strategy, plan, ds.source, model, steps, start, jit[:2]))
+    # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
+    rate, seconds, test = _train_and_test(
+        config, model, (dataset, ds), strategy, plan, steps, checkpoint_dir, model_dir, jit[0], out
+    )
+    # 9. Record: metrics.json, training.png; export.
+    history_path = os.path.join(model_dir, "history.csv")
+    metrics = {
+        "model": config.model,
+        "dataset": ds.source.name,
+        "test_split": ds.source.test_split,
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "policy": decision.policy,
+        "policy_reason": decision.reason,
+        "jit_compile": jit[0],
+        "jit_compile_reason": jit[1],
+        **_plan_metrics(strategy, plan),
+        "examples_per_second": rate,
+        "train_seconds": seconds,
+        "epochs": config.epochs,
+        "steps_per_epoch": steps,
+        "resumed_from_step": start,
+        "steps": int(optimizer.iterations.numpy()),
+        "skipped_steps": callbacks.skipped_steps(history_path),
+        "final_loss_scale": loss_scale.loss_scale_of(optimizer),
+        "peak_memory_mb": callbacks.peak_memory_mb(),
+        "seed": config.seed,
+        "weights_sha256": report.weights_fingerprint(model),
+    }
+    if os.path.exists(history_path):
+        metrics["plot"] = report.plot_history(history_path, os.path.join(model_dir, "training.png"))
+    if config.export_dir and chief:
+        metrics["export"] = _export(config, entry, model, ds)
+    path = os.path.join(model_dir, "metrics.json")
+    files.write_json(path, metrics)
+    say(
+        f"test accuracy {test['accuracy']:.4f}  test loss {test['loss']:.4f}  ({rate:,.0f} train examples/s; "
+        f"{metrics['skipped_steps']} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})"
+    )
+    return metrics
+
+
+def _precision_before_data(config, model_dir, one_host):
+    """(the decision, or None where a timed trial on the model decides it; the policies
+    that trial times, if any; the decision recorded for --model_dir, if any).
+
+    What "auto" or "autotune" decided for this --model_dir before is taken again, on one
+    host (several must all decide alike)."""
+    recorded = decisions.recorded(model_dir, "precision")
+    reuse = recorded if one_host and config.precision in ("auto", precision.AUTOTUNE) else None
+    if reuse:
+        decision = precision.resolve_policy(reuse["value"])._replace(reason=decisions.reused_reason(model_dir, reuse))
+    else:
+        trial = precision.auto_trial_candidates() if config.precision == "auto" else None
+        if config.precision == precision.AUTOTUNE or trial:
+            return None, trial, recorded
+        decision = precision.resolve_policy(config.precision)
+    precision.apply_policy(decision)
+    return decision, None, recorded
+
+
+def _precision_by_trial(config, trial, build_model, ds, strategy, plan, model_dir, say):
+    """The policy a timed trial on the model picks (autotune, or auto on a bfloat16 CPU), applied."""
+    if plan.workers > 1 and not trial:
+        raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
+    if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
+        decision = precision.resolve_policy("auto")
+    else:
+        key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
+        candidates = {"candidates": trial} if trial else {}
+        decision = autotune.autotune(
+            key,
+            build_model,
+            ds,
+            strategy,
+            plan.global_batch,
+            model_dir,
+            budget_seconds=config.trial_seconds,
+            say=say,
+            **candidates,
+        )
+        if trial:
+            how = decision.reason[len("autotune, ") :]
+            decision = decision._replace(
+                reason=f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
+            )
+    precision.apply_policy(decision)
+    return decision
+
+
+def _load_data(config, entry, plan, strategy):
+    """(the dataset's name, its `Data`), checked against the model's input kind."""
     dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
     ds = data.load(
         dataset,
@@ -160,15 +294,12 @@ def _train_and_evaluate(config, out, cleanup):
             f"model {config.model!r} takes {entry.kind} input but dataset {dataset!r} is {ds.source.kind}; pick a "
             f"{ds.source.kind} model ({', '.join(n for n, e in models.MODELS.items() if e.kind == ds.source.kind)})"
         )
-    steps = _steps_per_epoch(config, ds, plan)
-    _check_batch_memory(plan, ds.source, config)
-    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
-    latest = checkpoint.latest(checkpoint_dir)
-    start = checkpoint.step_of(latest)
-    # Everything checked: from here on the run writes, and owns --model_dir while it does.
-    if chief:
-        cleanup.enter_context(checkpoint.RunLock(config.model_dir))
-    settings = {
+    return dataset, ds
+
+
+def _settings(config, dataset, plan, strategy, steps):
+    """What run.json keeps: the settings an exact resume depends on (see `checkpoint.EXACT`)."""
+    return {
         "model": config.model,
         "dataset": dataset,
         "batch_size": plan.global_batch,
@@ -181,9 +312,11 @@ def _train_and_evaluate(config, out, cleanup):
         "keep_float32": list(config.keep_float32),
         "float8_exclude": list(config.float8_exclude),
     }
-    checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
-    if chief:
-        checkpoint.save_settings(config.model_dir, settings)
+
+
+def _model_builder(config, entry, ds):
+    """A function building the bundled model under the global policy, with --keep_float32
+    (and, under float8, its float8 layers but --float8_exclude)."""
 
     def build_model():
         with precision.keep_float32(list(config.keep_float32)):
@@ -198,79 +331,14 @@ def _train_and_evaluate(config, out, cleanup):
             float8.quantize(model, exclude=list(config.float8_exclude))
         return model
 
-    if config.diagnose:
-        return _diagnose(config, build_model, strategy, ds, out)
+    return build_model
 
-    if (config.precision == precision.AUTOTUNE or trial) and not reuse:
-        if plan.workers > 1 and not trial:
-            raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
-        key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
-        if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
-            decision = precision.resolve_policy("auto")
-        elif trial:
-            decision = autotune.autotune(
-                key,
-                build_model,
-                ds,
-                strategy,
-                plan.global_batch,
-                model_dir,
-                trial,
-                budget_seconds=config.trial_seconds,
-                say=lambda line: print(line, file=out, flush=True),
-            )
-            how = decision.reason[len("autotune, ") :]
-            reason = f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
-            decision = decision._replace(reason=reason)
-        else:
-            decision = autotune.autotune(
-                key,
-                build_model,
-                ds,
-                strategy,
-                plan.global_batch,
-                model_dir,
-                budget_seconds=config.trial_seconds,
-                say=lambda line: print(line, file=out, flush=True),
-            )
-        precision.apply_policy(decision)
-    decisions.say_if_different(model_dir, "precision", recorded, decision.policy)
-    if chief and recorded is None and config.precision in ("auto", precision.AUTOTUNE):
-        decisions.record(model_dir, "precision", decision.policy, decision.reason)
-    # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
-    # first: a precision trial (measured, cached or none) must not change the weights.
-    seed.set_seed(config.seed, config.deterministic)
-    with strategy.scope():
-        model = build_model()
-        optimizer = loss_scale.wrap_optimizer(
-            keras.optimizers.Adam(plan.learning_rate), config.loss_scale_initial, config.loss_scale_growth_steps
-        )
-        models.compile(model, optimizer)
-    problems = audit(model)
-    if problems:
-        logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    train_input = inputs.Input(ds.make_train, strategy, steps * plan.grad_accum_steps, plan.grad_accum_steps, "data")
-    compiled = loop.prepare(
-        model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
-    )
-    jit_compile, jit_reason, chosen_now = xla.resolve_run(
-        compiled,
-        train_input.element_spec,
-        JIT_COMPILE[config.jit_compile],
-        model_dir,
-        per_replica=True,
-        reuse=one_host,
-        say=lambda line: print(line, file=out, flush=True),
-    )
-    if chosen_now and chief:  # This process holds --model_dir's lock.
-        decisions.record(model_dir, "jit_compile", jit_compile, jit_reason)
-    print(
-        report.summary(config, decision, strategy, plan, ds.source, model, steps, start, (jit_compile, jit_reason)),
-        file=out,
-        flush=True,
-    )
 
-    # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
+def _train_and_test(config, model, data_, strategy, plan, steps, checkpoint_dir, model_dir, jit_compile, out):
+    """Trains with tfmp.fit (resuming from the latest checkpoint) and evaluates on every
+    test example of `data_` ((its name, its `Data`)); returns (train examples/s, train
+    seconds, the test metrics)."""
+    dataset, ds = data_
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     calls = plan.effective_batch * config.steps_per_execution  # Examples per compiled call.
     throughput = callbacks.Throughput(calls, max(1, config.warmup_steps // config.steps_per_execution))
@@ -293,28 +361,17 @@ def _train_and_evaluate(config, out, cleanup):
             jit_compile=jit_compile,
             verbose=verbose,
         )
-        train_seconds = time.perf_counter() - begin
-        rate = throughput.examples_per_second
+        seconds = time.perf_counter() - begin
         test = loop.evaluate(model, ds.test, strategy=strategy, jit_compile=jit_compile)
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
-        first = first_line(e)
         raise TrainingError(
-            f"the input data of {dataset!r} is corrupt ({first}); prepare it again. The checkpoints are intact"
+            f"the input data of {dataset!r} is corrupt ({first_line(e)}); prepare it again. The checkpoints are intact"
         ) from e
-    test_loss, test_accuracy = test["loss"], test["accuracy"]
-    history_path = os.path.join(model_dir, "history.csv")
-    skipped = callbacks.skipped_steps(history_path)
-    # 9. Record: metrics.json, training.png; export.
-    metrics = {
-        "model": config.model,
-        "dataset": ds.source.name,
-        "test_split": ds.source.test_split,
-        "test_accuracy": test_accuracy,
-        "test_loss": test_loss,
-        "policy": decision.policy,
-        "policy_reason": decision.reason,
-        "jit_compile": jit_compile,
-        "jit_compile_reason": jit_reason,
+    return throughput.examples_per_second, seconds, test
+
+
+def _plan_metrics(strategy, plan):
+    return {
         "strategy": distribute.strategy_name(strategy),
         "replicas": strategy.num_replicas_in_sync,
         "workers": plan.workers,
@@ -323,31 +380,12 @@ def _train_and_evaluate(config, out, cleanup):
         "grad_accum_steps": plan.grad_accum_steps,
         "effective_batch_size": plan.effective_batch,
         "learning_rate": plan.learning_rate,
-        "examples_per_second": rate,
-        "train_seconds": train_seconds,
-        "epochs": config.epochs,
-        "steps_per_epoch": steps,
-        "resumed_from_step": start,
-        "steps": int(optimizer.iterations.numpy()),
-        "skipped_steps": skipped,
-        "final_loss_scale": loss_scale.loss_scale_of(optimizer),
-        "peak_memory_mb": callbacks.peak_memory_mb(),
-        "seed": config.seed,
-        "weights_sha256": report.weights_fingerprint(model),
     }
-    if os.path.exists(history_path):
-        metrics["plot"] = report.plot_history(history_path, os.path.join(model_dir, "training.png"))
-    if config.export_dir and chief:
-        sample = next(iter(ds.test))[0][:8] if entry.kind == "image" else tf.constant(["a fine film", "dull"])
-        metrics["export"] = export.export(
-            model, config.export_dir, np.asarray(sample) if entry.kind == "image" else sample, ds.vectorizer
-        )
-    path = os.path.join(model_dir, "metrics.json")
-    files.write_json(path, metrics)
-    print(
-        f"test accuracy {test_accuracy:.4f}  test loss {test_loss:.4f}  ({rate:,.0f} train examples/s; "
-        f"{skipped} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})",
-        file=out,
-        flush=True,
+
+
+def _export(config, entry, model, ds):
+    """model.keras and a SavedModel in --export_dir, checked on a few test examples."""
+    sample = next(iter(ds.test))[0][:8] if entry.kind == "image" else tf.constant(["a fine film", "dull"])
+    return export.export(
+        model, config.export_dir, np.asarray(sample) if entry.kind == "image" else sample, ds.vectorizer
     )
-    return metrics
