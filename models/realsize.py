@@ -19,33 +19,29 @@ def resnet50(num_classes=1000):
     return keras.Model(base.input, classification_head(num_classes)(base.output), name="resnet50")
 
 
-def bert_base(num_classes=2):
-    """The bundled encoder at BERT-base size (about 110M parameters)."""
+def _encoder(num_classes, width, heads, layers):
+    """The bundled encoder on BERT's vocabulary and sequence length, feed-forward 4x wide."""
     return transformer.build(
         num_classes,
         vocab_size=30522,
         sequence_length=128,
-        embed_dim=768,
-        num_heads=12,
-        ff_dim=3072,
-        num_layers=12,
+        embed_dim=width,
+        num_heads=heads,
+        ff_dim=4 * width,
+        num_layers=layers,
         dropout=0.1,
     )
+
+
+def bert_base(num_classes=2):
+    """The bundled encoder at BERT-base size (about 110M parameters)."""
+    return _encoder(num_classes, width=768, heads=12, layers=12)
 
 
 def encoder_4096(num_classes=2):
     """A wider encoder, where the matmuls dominate: 4 layers of width 4096 (32 heads,
     16384 feed-forward), sequence 128."""
-    return transformer.build(
-        num_classes,
-        vocab_size=30522,
-        sequence_length=128,
-        embed_dim=4096,
-        num_heads=32,
-        ff_dim=16384,
-        num_layers=4,
-        dropout=0.1,
-    )
+    return _encoder(num_classes, width=4096, heads=32, layers=4)
 
 
 def synthetic(name, batch_size, seed=0):

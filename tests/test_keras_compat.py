@@ -142,3 +142,11 @@ def test_new_collective_keys_move_the_key_base_on():
     before = tf.distribute.MirroredStrategy._collective_key_base  # noqa: SLF001
     keras_compat.new_collective_keys()
     assert tf.distribute.MirroredStrategy._collective_key_base == before + 100000  # noqa: SLF001
+
+
+def test_producer_and_output_layers_walk_back_from_the_outputs():
+    inputs = keras.Input((4,))
+    logits = keras.layers.Dense(3, name="logits")(inputs)
+    model = keras.Model(inputs, keras.layers.Activation("softmax", name="softmax")(logits))
+    assert keras_compat.producer(model.outputs[0]).name == "softmax"
+    assert [layer.name for layer in keras_compat.output_layers(model)] == ["logits"]  # Past the weightless softmax.

@@ -212,9 +212,8 @@ def diagnose(model, data, steps=8):
         grad_max = np.zeros(len(layers))
         bf16_error = np.zeros(len(layers))
         order, done = None, 0
-        calls.float8 = {
-            i for i, layer in enumerate(layers) if id(layer) in {id(m) for m in float8.matmul_layers(model)}
-        }
+        matmuls = {id(layer) for layer in float8.matmul_layers(model)}
+        calls.float8 = {i for i, layer in enumerate(layers) if id(layer) in matmuls}
         e4m3, e5m2 = (float8.E4M3_MAX, float8.E4M3_SMALLEST), (float8.E5M2_MAX, float8.E5M2_SMALLEST)
         delayed = {
             i: [float8.DelayedScaling(*e4m3), float8.DelayedScaling(*e4m3), float8.DelayedScaling(*e5m2)]

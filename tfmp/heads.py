@@ -113,7 +113,7 @@ def audit(model):
     problems = []
     outputs = getattr(model, "outputs", None) or []  # A subclassed model has no graph to read them from.
     for i, output in enumerate(outputs):
-        layer = output._keras_history.operation
+        layer = keras_compat.producer(output)
         # A layer made float32 after the graph was built outputs float32, whatever the graph says.
         dtype = "float32" if getattr(layer, "compute_dtype", None) == "float32" else output.dtype
         if dtype != "float32":

@@ -69,13 +69,18 @@ def sublayers(model):
     return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
 
 
+def producer(tensor):
+    """The layer that made a symbolic tensor of a functional model (e.g. an output)."""
+    return tensor._keras_history.operation  # noqa: SLF001
+
+
 def output_layers(model):
     """The layers that make a functional model's outputs, each found by walking back from
     the output through weightless layers of one input (an Activation, a Softmax, a
     Dropout); none for a subclassed model."""
     found = []
     for output in getattr(model, "outputs", None) or []:
-        layer = output._keras_history.operation  # noqa: SLF001
+        layer = producer(output)
         while layer is not None and not layer.weights and len(layer._inbound_nodes) == 1:  # noqa: SLF001
             parents = layer._inbound_nodes[0].parent_nodes  # noqa: SLF001
             layer = parents[0].operation if len(parents) == 1 else None

@@ -385,7 +385,7 @@ class _Run:
             pending = queued
             due = self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches
             due = due and not (total is not None and done >= total)  # An epoch's end saves as the next's start.
-            if behind and not (due or stop.is_set() or model.stop_training or handler is not None):
+            if behind and not (due or stop.is_set() or model.stop_training):  # (No handler when behind.)
                 continue
             logs, pending = self._finish(pending), None
             if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
