@@ -16,8 +16,8 @@ from tfmp import cli
 if __name__ == "__main__":
     cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
 
-import models  # noqa: E402
-from tfmp import distribute, precision, training  # noqa: E402
+from tfmp import distribute, precision  # noqa: E402
+from tfmp.app import models, training  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "cnn", list(models.MODELS), "Model to train.")

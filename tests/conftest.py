@@ -44,7 +44,8 @@ def pytest_collection_modifyitems(config, items):
 def _short_trials(monkeypatch):
     """In-process runs time their precision and XLA choices for a few seconds, not half a
     minute: the tests check how the choice is made, not this machine's speed."""
-    from tfmp import autotune, xla
+    from tfmp import xla
+    from tfmp.app import autotune
 
     monkeypatch.setattr(autotune, "TRIAL_SECONDS", 3.0)
     monkeypatch.setattr(xla, "AUTO_BUDGET_SECONDS", 2.0)

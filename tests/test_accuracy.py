@@ -9,7 +9,7 @@ and asserts, and the test then reports the bfloat16 half as skipped, with the re
 import pytest
 from conftest import BFLOAT16_EMULATED, EMULATED, NO_SHARED_DATASETS, SHARED_DATASETS
 
-from tfmp import training
+from tfmp.app import training
 
 pytestmark = [pytest.mark.slow, NO_SHARED_DATASETS]
 

@@ -9,8 +9,8 @@ import keras
 import pytest
 from test_monitor import Poison
 
-import models
-from tfmp import timing, training
+from tfmp import timing
+from tfmp.app import models, training
 from tfmp.errors import UsageError
 from tfmp.heads import classification_head
 
@@ -119,7 +119,7 @@ def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_direc
 
 
 class FakeCandidate:
-    """Stands in for benchlib.Candidate: each turn returns the next injected rate."""
+    """Stands in for autotune.Candidate: each turn returns the next injected rate."""
 
     RATES = {}
     STEP_SECONDS = {}  # Per policy; default 0.01.
@@ -158,11 +158,11 @@ class FakeCandidate:
     ],
 )
 def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_path):
-    from tfmp import autotune, benchlib
+    from tfmp.app import autotune
 
     monkeypatch.setattr(FakeCandidate, "RATES", rates)
     monkeypatch.setattr(FakeCandidate, "log", [])
-    monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
+    monkeypatch.setattr(autotune, "Candidate", FakeCandidate)
     clock = itertools.count(0.0, 2.5)  # Each round takes 2.5 s: five or six rounds in the budget.
     decision = autotune.autotune(
         "k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=15, clock=lambda: next(clock)
@@ -174,13 +174,13 @@ def test_trial_decides_on_alternating_rounds(rates, chosen, monkeypatch, tmp_pat
 
 
 def test_a_policy_far_slower_in_warm_up_takes_no_turns(monkeypatch, tmp_path):
-    from tfmp import autotune, benchlib
+    from tfmp.app import autotune
 
     rates = {"float32": [100] * 12, "mixed_bfloat16": [131, 137, 128, 133, 130] * 3, "mixed_float16": [900] * 12}
     monkeypatch.setattr(FakeCandidate, "RATES", rates)
     monkeypatch.setattr(FakeCandidate, "FINITE", tuple(rates))
     monkeypatch.setattr(FakeCandidate, "STEP_SECONDS", {"mixed_float16": 0.01 * (autotune.MAX_SLOWDOWN + 1)})
-    monkeypatch.setattr(benchlib, "Candidate", FakeCandidate)
+    monkeypatch.setattr(autotune, "Candidate", FakeCandidate)
     clock = itertools.count(0.0, 2.5)
     decision = autotune.autotune(
         "k", None, None, None, 32, str(tmp_path), tuple(rates), budget_seconds=15, clock=lambda: next(clock)

@@ -9,7 +9,7 @@ import sys
 
 from conftest import REPO
 
-from tfmp import benchmicro, benchrun
+from tfmp.bench import micro, runs
 
 
 def test_bench_writes_figures(tmp_path):
@@ -73,30 +73,30 @@ def test_bench_writes_figures(tmp_path):
 def test_every_policy_gets_every_round_even_past_its_share_of_time():
     peaks = {op: {"float32": {"flops": 1e9, "cut_off": False}} for op in ("matmul", "conv")}
     # No time at all for the round: every turn still trains one timed step.
-    (row,) = benchrun.bench_model("cnn", ["float32"], 16, rounds=2, round_seconds=0.0, max_steps=3, peaks=peaks)
+    (row,) = runs.bench_model("cnn", ["float32"], 16, rounds=2, round_seconds=0.0, max_steps=3, peaks=peaks)
     assert len(row["rounds"]) == len(row["keras_fit_rounds"]) == 2
     assert row["steps_timed"] == 2 and min(row["rounds"] + row["keras_fit_rounds"]) > 0
-    assert "cnn" in benchrun.table([row])
+    assert "cnn" in runs.table([row])
 
 
 def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):
-    (sparse,) = benchmicro.sparse_steps([500], mirrored, batch_size=16, sequence_length=8, rounds=2, steps_per_turn=2)
+    (sparse,) = micro.sparse_steps([500], mirrored, batch_size=16, sequence_length=8, rounds=2, steps_per_turn=2)
     assert sparse["vocab_size"] == 500 and sparse["replicas"] == 2
     assert sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0 and sparse["speedup"] > 0
 
 
 def test_update_times_keras_against_fused():
-    update = benchmicro.update_times("resnet50", rounds=2, calls_per_turn=1)
+    update = micro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
-    assert "| resnet50 | 25.6M |" in benchrun.markdown({"rows": [], "updates": [update]})
+    assert "| resnet50 | 25.6M |" in runs.markdown({"rows": [], "updates": [update]})
 
 
 def test_autotune_picks_carry_the_rounds_own_error():
     pick = {"policy": "float32", "vs_fastest": 1 / 1.12, "vs_fastest_error": 0.04, "seconds": 30.0}
     choices = [{"model": "lstm", "fastest": "mixed_bfloat16", "fastest_error": 0.04, "picks": [pick]}]
-    text = benchrun.markdown({"rows": [], "choices": choices})
+    text = runs.markdown({"rows": [], "choices": choices})
     assert "| lstm | mixed_bfloat16 | float32 (89.3% ±4.0, 30 s) |" in text
-    assert benchrun.share_text({**pick, "vs_fastest_error": None}) == "89.3%"
+    assert runs.share_text({**pick, "vs_fastest_error": None}) == "89.3%"
 
 
 def test_versus_keras_pools_the_rows_without_xla():
@@ -105,27 +105,27 @@ def test_versus_keras_pools_the_rows_without_xla():
                 "jit_compile": {"tfmp": xla, "keras": False}}  # fmt: skip
 
     rows = [row("a", 0.99, 0.01), row("b", 1.01, 0.01), row("c", 0.9, 0.01), row("d", 2.0, 0.01, xla=True)]
-    summary = benchrun.versus_keras(rows)
+    summary = runs.versus_keras(rows)
     assert summary["rows"] == 3 and summary["slower"] == ["m c"]  # 0.99 +- 0.01 is within two errors.
     assert abs(summary["ratio"] - (0.99 * 1.01 * 0.9) ** (1 / 3)) < 1e-9
     assert abs(summary["error"] - 0.03**0.5 / 3 * 0.1) < 1e-9
-    assert "rows slower beyond two standard errors: m c" in benchrun.versus_keras_text(summary)
+    assert "rows slower beyond two standard errors: m c" in runs.versus_keras_text(summary)
 
 
 def test_benchpool_pools_the_rounds_of_several_runs(tmp_path, capsys):
-    from tfmp import benchpool
+    from tfmp.bench import pool
 
     def run(ours, theirs, device="cpu"):
         row = {"model": "m", "policy": "float32", "rounds": ours, "keras_fit_rounds": theirs,
                "tfmp_vs_keras_fit": 1.0, "jit_compile": {"tfmp": False, "keras": False}}  # fmt: skip
         return {"device": device, "rows": [row]}
 
-    (pooled,) = benchpool.pool([run([99, 102, 101], [100] * 3), run([104, 98, 103], [100] * 3)])
+    (pooled,) = pool.pool([run([99, 102, 101], [100] * 3), run([104, 98, 103], [100] * 3)])
     assert pooled["rounds"] == 6 and abs(pooled["tfmp_vs_keras_fit"] - 1.015) < 1e-3  # Median of 6 ratios.
     paths = []
     for i, result in enumerate([run([99], [100]), run([101], [100]), run([100], [100], device="gpu")]):
         paths.append(str(tmp_path / f"{i}.json"))
         with open(paths[-1], "w") as f:
             json.dump(result, f)
-    assert benchpool.main(paths[:2]) == 0 and "| m | float32 | 1.00 | 1.00 | 1.000" in capsys.readouterr().out
-    assert benchpool.main(paths) == 2 and "different devices" in capsys.readouterr().err
+    assert pool.main(paths[:2]) == 0 and "| m | float32 | 1.00 | 1.00 | 1.000" in capsys.readouterr().out
+    assert pool.main(paths) == 2 and "different devices" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import export, training
+from tfmp.app import export, training
 
 
 @pytest.mark.parametrize("model, policy", [("cnn", "mixed_bfloat16"), ("lstm", "float32")])

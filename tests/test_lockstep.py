@@ -3,7 +3,7 @@ from the moment their turn comes. Fake fits call the timer as Keras' loops do.""
 
 import pytest
 
-from tfmp import lockstep
+from tfmp.bench import lockstep
 
 
 class _FakeRunner:

@@ -4,8 +4,8 @@ import keras
 import numpy as np
 import pytest
 
-import models
 import tfmp
+from tfmp.app import models
 
 POLICIES = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16", "float32": "float32"}
 SMALL = {

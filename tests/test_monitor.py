@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import models
-from tfmp import checkpoint, training
+from tfmp import checkpoint
+from tfmp.app import models, training
 from tfmp.errors import TrainingError
 from tfmp.heads import classification_head
 

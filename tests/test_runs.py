@@ -16,7 +16,8 @@ import pytest
 from absl import flags
 from conftest import NO_SHARED_DATASETS, REPO, SHARED_DATASETS
 
-from tfmp import checkpoint, cli, training
+from tfmp import checkpoint, cli
+from tfmp.app import training
 
 SMALL = ["--dataset=synthetic", "--epochs=1", "--steps_per_epoch=2", "--batch_size=16", "--precision=float32"]
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from tfmp import training
+from tfmp.app import training
 from tfmp.errors import UsageError
 
 METRIC_KEYS = {

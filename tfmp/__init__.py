@@ -25,7 +25,7 @@ _EXPORTS = {
     "wrap_optimizer": "tfmp.loss_scale",
     "configure_precision": "tfmp.precision",
     "keep_float32": "tfmp.precision",
-    "Diagnosis": "tfmp.diagnosis",
+    "Diagnosis": "tfmp.doctor",
     "diagnose": "tfmp.doctor",
     "parity": "tfmp.doctor",
     "set_seed": "tfmp.seed",

@@ -3,6 +3,8 @@
 import contextlib
 import dataclasses
 import functools
+import os
+import platform
 import re
 import typing
 
@@ -308,3 +310,18 @@ def _keep_float32_block(patterns):
         yield
     finally:
         keras.config.set_dtype_policy(previous)
+
+
+def device_name():
+    """The accelerator's name, or the CPU's model name."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
+    if tf.config.list_logical_devices("TPU"):
+        return "TPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or "CPU"
+    return f"{model} ({os.cpu_count()} cores)"

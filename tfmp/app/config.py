@@ -4,8 +4,8 @@ import dataclasses
 import math
 import re
 
-import models
 from tfmp import distribute, precision
+from tfmp.app import models
 from tfmp.checkpoint import check_writable
 from tfmp.errors import UsageError
 

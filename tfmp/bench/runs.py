@@ -13,9 +13,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import models
-from models import realsize
-from tfmp import autotune, benchlib, callbacks, float8, lockstep, loop, loss_scale, precision, timing
+from tfmp import callbacks, float8, loop, loss_scale, precision, timing
+from tfmp.app import autotune, models
+from tfmp.bench import lockstep, measure, realsize
 
 TRAINERS = ("tfmp", "keras")
 CONV_MODELS = ("cnn", "resnet", "resnet50")  # Their possible gain is the conv peaks' ratio; others: matmul's.
@@ -65,7 +65,7 @@ class FitRunner:
             )
             self.jit_used = bool(self.model.jit_compile)
         self.loss = float(history.history["loss"][-1])
-        self.memory = max(self.memory, benchlib._memory_bytes())  # noqa: SLF001 - one module's helper.
+        self.memory = max(self.memory, measure._memory_bytes())  # noqa: SLF001 - one module's helper.
         self.step_times += timer.step_times
         return timer.examples_per_second
 
@@ -74,8 +74,8 @@ def _model_and_data(name, batch_size):
     """(build, dataset) for a bundled model (its shipped data) or a real-size one (synthetic)."""
     if name in realsize.MODELS:
         return realsize.MODELS[name], realsize.synthetic(name, batch_size)
-    ds = benchlib.bench_data(models.MODELS[name].kind, batch_size)
-    return functools.partial(benchlib.build_model, name, ds.source, ds), ds.train
+    ds = measure.bench_data(models.MODELS[name].kind, batch_size)
+    return functools.partial(measure.build_model, name, ds.source, ds), ds.train
 
 
 _LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
@@ -103,7 +103,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
     """
     keras.backend.clear_session()
     build, dataset = _model_and_data(name, batch_size)
-    rate_in = benchlib.input_rate(dataset, batch_size) if name not in realsize.MODELS else None
+    rate_in = measure.input_rate(dataset, batch_size) if name not in realsize.MODELS else None
     runners = {(p, t): FitRunner(t, p, build, dataset, batch_size, jit_compile) for p in policies for t in TRAINERS}
     pairs = {p: [runners[(p, t)] for t in TRAINERS] for p in policies}
     turn = round_seconds / len(pairs)
@@ -138,7 +138,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
     rows = []
     for policy in policies:
         ours, theirs = runners[(policy, "tfmp")], runners[(policy, "keras")]
-        flops = benchlib.flops_per_example(ours.model)
+        flops = measure.flops_per_example(ours.model)
         rate = statistics.median(ours.rates)
         speedup, speedup_error = timing.median_ratio(ours.rates, base.rates) if base else (None, None)
         versus_keras, keras_error = timing.median_ratio(ours.rates, theirs.rates)
@@ -273,8 +273,8 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
         picks = []
         for _ in range(runs):
             keras.backend.clear_session()
-            ds = benchlib.bench_data(models.MODELS[name].kind, batch_size)
-            build = functools.partial(benchlib.build_model, name, ds.source, ds)
+            ds = measure.bench_data(models.MODELS[name].kind, batch_size)
+            build = functools.partial(measure.build_model, name, ds.source, ds)
             with tempfile.TemporaryDirectory() as cache_dir:
                 start = time.perf_counter()
                 strategy = tf.distribute.get_strategy()
@@ -322,7 +322,7 @@ def plot(rows, path):
         ax.bar(np.arange(len(names)) + i * width, values, width, label=f"{policy} ({trainer})")
     ax.set_xticks(np.arange(len(names)) + width * (len(bars) - 1) / 2, names)
     ax.set_ylabel("examples/s relative to tfmp float32")
-    ax.set_title(f"tfmp bench: {benchlib.device_name()}")
+    ax.set_title(f"tfmp bench: {precision.device_name()}")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

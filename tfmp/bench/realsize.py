@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from models import transformer
+from tfmp.app.models import transformer
 from tfmp.heads import classification_head
 
 

@@ -19,7 +19,8 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from tfmp import benchlib, benchmicro, benchrun, precision  # noqa: E402
+from tfmp import precision  # noqa: E402
+from tfmp.bench import measure, micro, runs  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -55,7 +56,7 @@ flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png g
 def _print_choices(choices):
     for c in choices:
         picks = ", ".join(
-            f"{p['policy']} ({benchrun.share_text(p)} of the fastest, {p['seconds']:.0f} s: "
+            f"{p['policy']} ({runs.share_text(p)} of the fastest, {p['seconds']:.0f} s: "
             f"{p['warm_up_seconds']:.0f} s warm-up, {p['rounds_seconds']:.0f} s rounds)"
             for p in c["picks"]
         )
@@ -79,55 +80,53 @@ def main(argv):
     del argv
     unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
     if unknown:
-        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {', '.join(benchlib.DTYPES)}", file=sys.stderr)
+        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {', '.join(measure.DTYPES)}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
-    device = benchlib.device_name()
+    device = precision.device_name()
     print(f"device: {device}", flush=True)
-    sizes = benchlib.peak_sizes()
+    sizes = measure.peak_sizes()
     n, conv = FLAGS.matmul_size or sizes["matmul"], sizes["conv"]
     labels = {
         "matmul": f"matmul {n}x{n}",
         "conv": f"conv 3x3 {conv['batch']}x{conv['size']}x{conv['size']}x{conv['channels']} fwd+bwd",
     }
     print(f"bench: timing the peaks ({', '.join(labels.values())}), up to 20 s an op and policy", flush=True)
-    peaks = {"matmul": benchlib.matmul_peaks(FLAGS.policies, n), "conv": benchlib.conv_peaks(FLAGS.policies, **conv)}
+    peaks = {"matmul": measure.matmul_peaks(FLAGS.policies, n), "conv": measure.conv_peaks(FLAGS.policies, **conv)}
     for op, label in labels.items():
         for policy, peak in peaks[op].items():
             print(
-                f"{label} peak, {benchlib.compute_dtype(policy)}: {peak['flops'] / 1e9:,.1f} GFLOP/s"
+                f"{label} peak, {measure.compute_dtype(policy)}: {peak['flops'] / 1e9:,.1f} GFLOP/s"
                 + (" (cut off)" if peak["cut_off"] else ""),
                 flush=True,
             )
     jit = {"auto": "auto", "true": True, "false": False}[FLAGS.jit_compile]
     rows = []
     for name in FLAGS.models:
-        rows += benchrun.bench_model(
+        rows += runs.bench_model(
             name, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
-        print(benchrun.table([r for r in rows if r["model"] == name]), flush=True)
-    bundled = [n for n in FLAGS.models if n in benchrun.models.MODELS]
+        print(runs.table([r for r in rows if r["model"] == name]), flush=True)
+    bundled = [n for n in FLAGS.models if n in runs.models.MODELS]
     choices = (
-        benchrun.policy_choices(
-            rows, bundled, FLAGS.policies, FLAGS.batch_size, FLAGS.autotune_runs, FLAGS.trial_seconds
-        )
+        runs.policy_choices(rows, bundled, FLAGS.policies, FLAGS.batch_size, FLAGS.autotune_runs, FLAGS.trial_seconds)
         if FLAGS.autotune_runs
         else []
     )
-    updates = [benchmicro.update_times(name) for name in FLAGS.update_models]
-    overhead = benchmicro.loop_overhead(FLAGS.overhead_rounds) if FLAGS.overhead_rounds else None
+    updates = [micro.update_times(name) for name in FLAGS.update_models]
+    overhead = micro.loop_overhead(FLAGS.overhead_rounds) if FLAGS.overhead_rounds else None
     sparse = []
     if FLAGS.sparse_vocab and strategy.num_replicas_in_sync > 1:
-        sparse = benchmicro.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy)
+        sparse = micro.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy)
     elif FLAGS.sparse_vocab:
         print("sparse check skipped: one replica has nothing to all-reduce (--sparse_replicas=2 times it)")
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
-    summary = benchrun.versus_keras(rows)
+    summary = runs.versus_keras(rows)
     if rows:
-        print(benchrun.table(rows))
+        print(runs.table(rows))
     if summary:
-        print(benchrun.versus_keras_text(summary))
+        print(runs.versus_keras_text(summary))
     _print_choices(choices)
     for u in updates:
         print(
@@ -163,9 +162,9 @@ def main(argv):
     with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
-        f.write(benchrun.markdown(result) + "\n")
+        f.write(runs.markdown(result) + "\n")
     if rows:
-        benchrun.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
+        runs.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
     print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
 
 

@@ -13,9 +13,13 @@ import os
 import statistics
 import time
 
+import keras
+import numpy as np
+import tensorflow as tf
 from absl import logging
 
-from tfmp import benchlib, files, precision, timing
+from tfmp import callbacks, files, loop, loss_scale, precision, timing
+from tfmp.app import models
 from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -42,7 +46,7 @@ def trial(candidates, build_model, ds, strategy, global_batch, budget_seconds=No
     built, per_step = {}, {}
     baseline = BASELINE if BASELINE in candidates else candidates[0]
     for policy in sorted(candidates, key=lambda p: p != baseline):  # The baseline's pace first.
-        built[policy] = c = benchlib.Candidate(policy, build_model, ds, strategy, global_batch)
+        built[policy] = c = Candidate(policy, build_model, ds, strategy, global_batch)
         c.warm_up(WARMUP)
         per_step[policy] = statistics.median(c.durations[1:])
         hopeless = per_step[policy] > MAX_SLOWDOWN * per_step[baseline]  # No noise hides a 3x gap.
@@ -114,7 +118,7 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
     Returns:
         A `precision.Decision` (not yet applied) whose reason holds the verdict and the table.
     """
-    device = benchlib.device_name()
+    device = precision.device_name()
     cache_key = f"{device}|{key}"
     path = os.path.join(cache_dir, CACHE_FILE)
     cache = {}
@@ -141,3 +145,55 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
     logging.info("Autotune chose %s", chosen)
     how = f"autotune, measured now: {verdict.reason}"
     return Decision(chosen, f"{how}\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)
+
+
+# Without tf.data's autotuning, whose thread made deleting an iterator that had run for the
+# half minute of a trial wait 12-25 s (in three of four trials, seen on 2 CPU cores: a
+# trial of 45 s took 60-85). The parallel maps then run on every core; every candidate
+# reads the same pipeline, so the comparison stays even.
+_TRIAL_INPUT = tf.data.Options()
+_TRIAL_INPUT.autotune.enabled = False
+
+
+class Candidate:
+    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step
+    (`--precision=autotune`'s trial).
+
+    Args:
+        policy: the dtype policy to build under.
+        build_model: builds the model under the global policy (called in the strategy's scope).
+        ds: the `Data` to train on.
+        strategy: the strategy to train under.
+        global_batch: examples per step.
+    """
+
+    def __init__(self, policy, build_model, ds, strategy, global_batch):
+        keras.config.set_dtype_policy(policy)
+        with strategy.scope():
+            self.model = models.compile(build_model(), loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)))
+        self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
+        self.global_batch = global_batch
+        self.iterator = iter(ds.distribute(strategy, options=_TRIAL_INPUT))
+        self.cut_off, self.loss = False, float("nan")
+        self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
+
+    def _step(self):
+        start = time.perf_counter()
+        self.loss = float(self.steps.train(self.iterator)["step_loss"])
+        self.durations.append(time.perf_counter() - start)
+        self.finite = self.finite and bool(np.isfinite(self.loss))
+        return self.durations[-1]
+
+    def warm_up(self, steps):
+        """Runs `steps` untimed steps (tracing, allocation)."""
+        for _ in range(steps):
+            self._step()
+
+    def turn(self, steps):
+        """A generator: `steps` timed steps, yielding after each (for `timing.interleaved`);
+        returns their examples/second."""
+        times = []
+        for _ in range(steps):
+            times.append(self._step())
+            yield
+        return callbacks.examples_per_second(times, self.global_batch)

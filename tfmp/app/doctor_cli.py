@@ -4,13 +4,15 @@ python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer f
 python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
 """
 
+import json
 import os
-import sys
 import tempfile
 
+import keras
 from absl import app, flags
 
-from tfmp import cli
+from tfmp import cli, data, doctor, float8, precision
+from tfmp.app import models, training
 
 FLAGS = flags.FLAGS
 
@@ -39,8 +41,6 @@ def define_flags():
 
 
 def run_parity():
-    from tfmp import doctor, training
-
     def run(policy, seed):
         with tempfile.TemporaryDirectory() as model_dir:
             config = training.Config(
@@ -80,11 +80,6 @@ def run_parity():
 
 
 def run_diagnosis():
-    import keras
-
-    import models
-    from tfmp import data, doctor, float8, precision
-
     entry = models.MODELS[FLAGS.model]
     ds = data.load(
         FLAGS.dataset or {"image": "digits", "text": "sentiment"}[entry.kind],
@@ -109,11 +104,8 @@ def run_diagnosis():
 
 def main(argv):
     del argv
-    import json
 
     with cli.user_errors("tfmp.doctor"):
-        import models
-
         if FLAGS.model not in models.MODELS:
             raise cli.UsageError(f"unknown model {FLAGS.model!r}; choose one of {', '.join(models.MODELS)}")
         os.makedirs(FLAGS.output_dir, exist_ok=True)
@@ -129,6 +121,6 @@ def main(argv):
 
 
 def run():
-    cli.quiet_start(sys.argv, "tfmp.doctor")
+    """The command (`tfmp/doctor/__main__.py` has already started quietly)."""
     define_flags()
     app.run(main, flags_parser=cli.flags_parser("tfmp.doctor"))

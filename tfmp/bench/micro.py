@@ -11,10 +11,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import models
-from models import realsize
 from tfmp import fused, loop, steps, timing
-from tfmp.benchrun import TRAINERS, FitRunner
+from tfmp.app import models
+from tfmp.bench import realsize
+from tfmp.bench.runs import TRAINERS, FitRunner
 
 
 def _calls_per_second(fn, calls):

@@ -5,7 +5,7 @@ standard error of 1-10%: whether a row reads 0.99 or 1.01 is chance. The rounds 
 runs, pooled, narrow it.
 
     python3 -m tfmp.bench --rounds=7 --output_dir=bench_out/a   # (and b, c: same machine)
-    python3 -m tfmp.benchpool bench_out/a/bench.json bench_out/b/bench.json bench_out/c/bench.json
+    python3 -m tfmp.bench.pool bench_out/a/bench.json bench_out/b/bench.json bench_out/c/bench.json
 """
 
 import json
@@ -59,7 +59,7 @@ def markdown(pooled, device):
 
 def main(paths):
     if not paths:
-        print("usage: python3 -m tfmp.benchpool BENCH_JSON [BENCH_JSON ...]", file=sys.stderr)
+        print("usage: python3 -m tfmp.bench.pool BENCH_JSON [BENCH_JSON ...]", file=sys.stderr)
         return 2
     results = []
     for path in paths:

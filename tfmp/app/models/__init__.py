@@ -4,7 +4,7 @@ import typing
 
 import keras
 
-from models import cnn, lstm, resnet, transformer
+from tfmp.app.models import cnn, lstm, resnet, transformer
 
 
 class Entry(typing.NamedTuple):

@@ -1,35 +1,16 @@
-"""The numerics doctor: what breaks in float16 before it breaks, where a NaN came from, and
-whether a mixed policy costs accuracy.
+"""What the doctor measures: `diagnose`, `localize_non_finite`, `parity` (see `tfmp.doctor`)."""
 
-- `diagnose(model, data, steps)` trains the model in float32 for a few steps (and puts it
-  back as it was) and records, per layer, the range of its inputs, outputs and weight
-  gradients: which outputs exceed float16's maximum (65504: no loss scale helps those, keep
-  them in float32) and which layers would cast such a value back to 16 bits, what
-  fraction of the gradients underflow float16 at loss scale 1 and at a recommended scale,
-  and how far each output moves when the model runs in bfloat16.
-- `localize_non_finite(model, batch)` replays a batch in the model's own precision and
-  names the first layer whose output, or whose gradient, is not finite.
-- `parity(run, seeds)` compares test accuracy of float32 and a mixed policy over seeds.
+import contextlib
+import math
+import statistics
 
-Command line, for the bundled models: `python -m tfmp.doctor --help`.
-"""
+import keras
+import numpy as np
+import tensorflow as tf
 
-if __name__ == "__main__":  # python -m tfmp.doctor: start quietly, before TensorFlow loads.
-    from tfmp import doctor_cli
-
-    doctor_cli.run()
-
-import contextlib  # noqa: E402
-import math  # noqa: E402
-import statistics  # noqa: E402
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tfmp import float8, gradients, keras_compat, precision  # noqa: E402
-from tfmp.diagnosis import FLOAT16_MAX, Diagnosis  # noqa: E402, F401 - Diagnosis: tfmp.Diagnosis.
-from tfmp.errors import UsageError  # noqa: E402
+from tfmp import float8, gradients, keras_compat, precision
+from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
+from tfmp.errors import UsageError
 
 FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
 FLOAT16_NORMAL = 2.0**-14  # Below this float16 is subnormal: fewer significant bits.

@@ -11,27 +11,24 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-import models
 from tfmp import (
-    autotune,
     callbacks,
     checkpoint,
     data,
     decisions,
     distribute,
     doctor,
-    export,
     files,
     float8,
     inputs,
     loop,
     loss_scale,
     precision,
-    report,
     seed,
     xla,
 )
-from tfmp.config import DEFAULT_DATASETS, JIT_COMPILE, Config, validate  # noqa: F401 - re-exported.
+from tfmp.app import autotune, export, models, report
+from tfmp.app.config import DEFAULT_DATASETS, JIT_COMPILE, Config, validate  # noqa: F401 - re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 

@@ -1,16 +1,13 @@
 """The measuring parts of `tfmp.bench` and `--precision=autotune`: each returns plain figures."""
 
 import os
-import platform
 import statistics
 import time
 
-import keras
-import numpy as np
 import tensorflow as tf
 
-import models
-from tfmp import callbacks, data, loop, loss_scale
+from tfmp import data
+from tfmp.app import models
 
 # float8's own matmul peak is not timed (TensorFlow has no float8 matmul op outside XLA's
 # rewrites): its bfloat16 base stands in for it.
@@ -21,21 +18,6 @@ DEFAULT_DATA = {"image": "digits", "text": "sentiment"}
 def compute_dtype(policy):
     """The compute dtype of a policy name."""
     return DTYPES[policy]
-
-
-def device_name():
-    """The accelerator's name, or the CPU's model name."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-    if tf.config.list_logical_devices("TPU"):
-        return "TPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "CPU"
-    return f"{model} ({os.cpu_count()} cores)"
 
 
 def matmul_peaks(policies, n=2048, budget_seconds=20.0):
@@ -159,55 +141,3 @@ def build_model(name, source, ds):
         vocab_size=ds.vectorizer.vocabulary_size(),
         sequence_length=ds.train.element_spec[0].shape[-1],
     )
-
-
-# Without tf.data's autotuning, whose thread made deleting an iterator that had run for the
-# half minute of a trial wait 12-25 s (in three of four trials, seen on 2 CPU cores: a
-# trial of 45 s took 60-85). The parallel maps then run on every core; every candidate
-# reads the same pipeline, so the comparison stays even.
-_TRIAL_INPUT = tf.data.Options()
-_TRIAL_INPUT.autotune.enabled = False
-
-
-class Candidate:
-    """One policy's model, optimizer and input, trained by tfmp's loop, timed step by step
-    (`--precision=autotune`'s trial).
-
-    Args:
-        policy: the dtype policy to build under.
-        build_model: builds the model under the global policy (called in the strategy's scope).
-        ds: the `Data` to train on.
-        strategy: the strategy to train under.
-        global_batch: examples per step.
-    """
-
-    def __init__(self, policy, build_model, ds, strategy, global_batch):
-        keras.config.set_dtype_policy(policy)
-        with strategy.scope():
-            self.model = models.compile(build_model(), loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)))
-        self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
-        self.global_batch = global_batch
-        self.iterator = iter(ds.distribute(strategy, options=_TRIAL_INPUT))
-        self.cut_off, self.loss = False, float("nan")
-        self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
-
-    def _step(self):
-        start = time.perf_counter()
-        self.loss = float(self.steps.train(self.iterator)["step_loss"])
-        self.durations.append(time.perf_counter() - start)
-        self.finite = self.finite and bool(np.isfinite(self.loss))
-        return self.durations[-1]
-
-    def warm_up(self, steps):
-        """Runs `steps` untimed steps (tracing, allocation)."""
-        for _ in range(steps):
-            self._step()
-
-    def turn(self, steps):
-        """A generator: `steps` timed steps, yielding after each (for `timing.interleaved`);
-        returns their examples/second."""
-        times = []
-        for _ in range(steps):
-            times.append(self._step())
-            yield
-        return callbacks.examples_per_second(times, self.global_batch)
