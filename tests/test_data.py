@@ -6,7 +6,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from conftest import NO_SHARED_DATASETS, SHARED_DATASETS
 
-from tfmp import data
+from tfmp import data, inputs
 from tfmp.errors import UsageError
 
 
@@ -111,20 +111,12 @@ def test_each_input_pipeline_reads_its_own_shard():
     assert len(seen[0]) == len(seen[1]) == 28 and not seen[0] & seen[1]
 
 
-def test_distribute_feeds_every_replica(mirrored):
+def test_fits_input_feeds_every_replica_its_own_shard(mirrored):
     ds = data.load("digits", 16, drop_remainder=True)
-    batch = next(iter(ds.distribute(mirrored)))
+    batch = next(inputs.Input(ds.make_train, mirrored, 4, 1, "data").stream(0))
     per_replica = mirrored.experimental_local_results(batch[0])
     assert [tuple(x.shape) for x in per_replica] == [(8, 28, 28, 1), (8, 28, 28, 1)]
-
-
-def test_distribute_merges_given_options_into_the_pipeline():
-    ds = data.load("digits", 16, drop_remainder=True)
-    options = tf.data.Options()
-    options.autotune.enabled = False  # What autotune's trial gives its candidates.
-    single = ds.distribute(tf.distribute.get_strategy(), options=options)
-    assert single.options().autotune.enabled is False and single.options().deterministic  # Its own kept.
-    assert ds.distribute(tf.distribute.get_strategy()).options().autotune.enabled is not False
+    assert not np.array_equal(per_replica[0].numpy(), per_replica[1].numpy())
 
 
 def test_resume_position_is_exact_and_its_cost_does_not_grow_with_the_step():

@@ -150,3 +150,35 @@ def test_producer_and_output_layers_walk_back_from_the_outputs():
     model = keras.Model(inputs, keras.layers.Activation("softmax", name="softmax")(logits))
     assert keras_compat.producer(model.outputs[0]).name == "softmax"
     assert [layer.name for layer in keras_compat.output_layers(model)] == ["logits"]  # Past the weightless softmax.
+
+
+def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or_changing_the_optimizer(mirrored):
+    with mirrored.scope():
+        variable = keras.Variable(np.ones(2, "float32"))
+        sgd = keras.optimizers.SGD(0.5, momentum=0.9)
+        sgd.build([variable])
+    before = dict(vars(sgd))
+    steps = []
+
+    def update_step(gradient, var, learning_rate):
+        steps.append(var.name)
+        var.assign_sub(learning_rate * gradient)
+
+    applier = keras_compat.reduced_applier(sgd, update_step)
+
+    def replica_apply():  # Each replica gives the already-summed gradient [2, 4].
+        applier.apply([tf.constant([2.0, 4.0])], [variable])
+
+    mirrored.run(tf.function(replica_apply))
+    # Applied once per replica with the given gradient (Keras' own would sum to [4, 8]).
+    for local in mirrored.experimental_local_results(variable.value):
+        np.testing.assert_allclose(local.numpy(), [0.0, -1.0])
+    assert steps and int(sgd.iterations.numpy()) == 1  # The shared iteration count moved on.
+    assert dict(vars(sgd)) == before and "update_step" not in vars(sgd)  # The optimizer itself: untouched.
+    wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    copied = keras_compat.reduced_applier(wrapped, None, "gradients_reduced")
+    assert copied.inner_optimizer is not wrapped.inner_optimizer and copied.gradients_reduced is True
+    assert (
+        not hasattr(wrapped, "gradients_reduced")
+        and copied.inner_optimizer.iterations is wrapped.inner_optimizer.iterations
+    )

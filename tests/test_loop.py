@@ -16,7 +16,7 @@ import tensorflow as tf
 import tiny
 from conftest import REPO
 
-from tfmp import loop
+from tfmp import inputs, loop
 from tfmp.steps import Steps
 
 STEPS, BATCH = 5, 32
@@ -71,7 +71,7 @@ def test_overflow_on_one_replica_skips_everywhere(mirrored, bad_replica):
     ds = tiny.dataset(BATCH)
     runner = loop.prepare(model, mirrored, ds.train.element_spec)
     assert isinstance(runner, Steps) and runner.optimizer is model.optimizer is optimizer
-    iterator = iter(ds.distribute(mirrored))
+    iterator = inputs.Input(ds.make_train, mirrored, 4, 1, "data").stream(0)
     runner.train(iterator)
     before = [w.numpy() for w in model.weights]
     lr_before = float(optimizer.learning_rate)

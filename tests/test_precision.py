@@ -1,7 +1,7 @@
 import keras
 import pytest
 
-from tfmp import precision
+from tfmp import loss_scale, precision
 from tfmp.errors import UsageError
 from tfmp.precision import Hardware
 
@@ -30,10 +30,17 @@ def test_auto_choice(hardware, expected):
 def test_configure_sets_global_policy_and_returns_name():
     assert precision.configure_precision("mixed_float16", Hardware(gpu_capability=(8, 0))) == "mixed_float16"
     assert keras.config.dtype_policy().name == "mixed_float16"
-    assert precision.needs_loss_scaling()
+    assert loss_scale.needs_loss_scaling()
     assert precision.configure_precision("mixed_bfloat16", Hardware()) == "mixed_bfloat16"
     assert precision.compute_dtype() == "bfloat16"
-    assert not precision.needs_loss_scaling()
+    assert not loss_scale.needs_loss_scaling()
+
+
+def test_compute_dtype_of_a_policy_name():
+    names = ("float32", "mixed_float16", "mixed_bfloat16", "float8")
+    assert [precision.compute_dtype(n) for n in names] == ["float32", "float16", "bfloat16", "bfloat16"]
+    with pytest.raises(UsageError, match="unknown policy 'float4'"):
+        precision.compute_dtype("float4")
 
 
 @pytest.mark.parametrize("hardware", [Hardware(), Hardware(gpu_capability=(6, 0)), Hardware(tpu=True)])

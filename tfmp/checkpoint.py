@@ -118,7 +118,9 @@ class RunLock:
     """One run at a time in a directory: an exclusive `flock` on DIRECTORY/.lock.
 
     The kernel drops the lock when its process ends, however it ends, so a crashed run
-    never leaves the directory stuck. The file names its holder for the message.
+    never leaves the directory stuck. The file names its holder for the message. A run
+    holds one lock: inside a directory this process has locked (train.py's --model_dir),
+    `tfmp.fit`'s lock on its checkpoint_dir takes nothing more.
     """
 
     def __init__(self, directory, flag="--model_dir"):
@@ -131,6 +133,8 @@ class RunLock:
         import time
 
         os.makedirs(self.directory, exist_ok=True)
+        if self._held_within():  # This process's run already owns it (train.py's --model_dir).
+            return self
         handle = open(self.path, "a+")  # noqa: SIM115 - held until __exit__.
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -147,12 +151,25 @@ class RunLock:
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         handle.flush()
         self._file = handle
+        _HELD.add(os.path.realpath(self.directory))
         return self
 
     def __exit__(self, *exc):
+        if self._file is None:
+            return False
+        _HELD.discard(os.path.realpath(self.directory))
         os.remove(self.path)  # Still ours: the lock is held until the close below.
         self._file.close()
         return False
+
+    def _held_within(self):
+        """Whether this process holds the lock of a directory above this one (the same
+        directory twice is refused, as from another process)."""
+        path = os.path.realpath(self.directory)
+        return any(path.startswith(held + os.sep) for held in _HELD)
+
+
+_HELD = set()  # The real paths of the directories whose RunLock this process holds.
 
 
 SETTINGS_FILE = "run.json"

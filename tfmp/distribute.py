@@ -233,12 +233,7 @@ def plan_batch(
         raise UsageError(f"batch size must be >= 1, got {global_batch}")
     if grad_accum_steps < 1:
         raise UsageError(f"grad accumulation steps must be >= 1, got {grad_accum_steps}")
-    if global_batch % replicas:
-        lower, upper = global_batch // replicas * replicas, (global_batch // replicas + 1) * replicas
-        raise UsageError(
-            f"global batch size {global_batch} does not divide by the {replicas} replicas; "
-            f"use a multiple of {replicas} such as {lower or upper} or {upper}"
-        )
+    check_divides(global_batch, replicas)
     effective = global_batch * grad_accum_steps
     base = base_batch or effective
     ratio = {"none": 1.0, "linear": effective / base, "sqrt": math.sqrt(effective / base)}[lr_scaling]
@@ -255,3 +250,14 @@ def plan_batch(
         lr_scaling=lr_scaling,
         learning_rate=learning_rate * ratio,
     )
+
+
+def check_divides(global_batch, replicas, what="global batch size"):
+    """Raises a UsageError, with the nearest sizes that work, where `global_batch` does not
+    divide by the `replicas`."""
+    if global_batch % replicas:
+        lower, upper = global_batch // replicas * replicas, (global_batch // replicas + 1) * replicas
+        raise UsageError(
+            f"{what} {global_batch} does not divide by the {replicas} replicas; "
+            f"use a multiple of {replicas} such as {lower or upper} or {upper}"
+        )

@@ -58,12 +58,8 @@ class Input:
                         f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}"
                     )
             batch = batch_dim(self.element_spec)
-            if batch is not None and batch % self.replicas:
-                lower, upper = batch // self.replicas * self.replicas, (batch // self.replicas + 1) * self.replicas
-                raise UsageError(
-                    f"{name}'s global batch size {batch} does not divide by the {self.replicas} replicas; use a "
-                    f"multiple of {self.replicas} such as {lower or upper} or {upper}"
-                )
+            if batch is not None:
+                distribute.check_divides(batch, self.replicas, f"{name}'s global batch size")
             if distribute.strategy_name(strategy) == "tpu" and batch is None:
                 raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
         # Training epochs of unknown length would end at different steps on different

@@ -7,10 +7,10 @@ received and returned (the doctor needs these, on any model, without copying it)
 building a model with its compiled loss and metrics from a data spec, for the loss
 `model.fit` computes, or for an optimizer's slot variables (tfmp's fused updates).
 
-Besides these, tfmp overrides two hooks Keras calls: `LossScaleOptimizer._tf_apply`
-(tfmp.loss_scale) and the optimizer's `_all_reduce_sum_gradients` / `update_step`, set for
-the duration of a step by `tfmp.steps.reduced_gradients`; tests/test_loss_scale.py and
-tests/test_fused.py cover them.
+Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
+(tfmp.loss_scale), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
+tfmp's own shallow copy of it (`reduced_applier`: the user's optimizer object is never
+changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
 """
 
 import contextlib
@@ -162,3 +162,38 @@ def watching_calls(layers, on_call, on_start=None):
                 object.__delattr__(layer, "call")
             else:
                 object.__setattr__(layer, "call", own)
+
+
+def _shallow_copy(obj):
+    """A new object of `obj`'s class sharing all its attributes (`copy.copy` would go through
+    Keras' pickling, which saves and rebuilds the variables)."""
+    twin = object.__new__(type(obj))
+    object.__getattribute__(twin, "__dict__").update(vars(obj))
+    return twin
+
+
+def _as_given(grads_and_vars):
+    return grads_and_vars
+
+
+def reduced_applier(optimizer, update_step=None, reduced_flag=None):
+    """tfmp's own applier for `optimizer`: a shallow copy, sharing every variable (slots,
+    iterations, learning rate, loss scale), whose `apply` takes gradients the caller has
+    already all-reduced (Keras' own all-reduces inside `apply`, after clipping per
+    replica), each applied with `update_step` (tfmp.fused) where one is given. A loss-scale
+    wrapper is copied with its inner optimizer, and `reduced_flag` (the name of its
+    attribute saying the gradients are reduced) set on the copy. `optimizer` itself is not
+    changed.
+    """
+    applier = _shallow_copy(optimizer)
+    inner = applier
+    if hasattr(optimizer, "inner_optimizer"):
+        inner = _shallow_copy(optimizer.inner_optimizer)
+        object.__setattr__(applier, "inner_optimizer", inner)
+        if reduced_flag:
+            object.__setattr__(applier, reduced_flag, True)
+    # Plain attributes, set past Keras' tracking __setattr__: they steer tracing only.
+    object.__setattr__(inner, "_all_reduce_sum_gradients", _as_given)
+    if update_step is not None:
+        object.__setattr__(inner, "update_step", update_step)
+    return applier

@@ -107,9 +107,10 @@ def fit(
             outside it). "auto" measures both ways before training (alternating rounds,
             a few seconds) and keeps XLA only where it is clearly faster. A model XLA
             cannot compile trains without it, after one warning line. The choice is in
-            `History.params["jit_compile"]` (the reason in "jit_compile_reason"). With a
-            `checkpoint_dir`, it is recorded there (decisions.json) and taken again by a
-            resumed run or a rerun in the same directory, so that both train alike.
+            `History.params["jit_compile"]` (the reason in "jit_compile_reason"). It is
+            recorded in the run's directory (`log_dir`, else `checkpoint_dir`: its
+            decisions.json) and taken again by a resumed run or a rerun there, so that
+            both train alike.
         verbose: "auto", 0 (silent), 1 (progress bar) or 2 (a line per epoch).
 
     Returns:
@@ -133,11 +134,12 @@ def fit(
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
+    log_dir = log_dir or checkpoint_dir  # The run's directory: decisions.json goes here too.
     use, why, chosen_now = xla.resolve_run(
         steps,
         train_input.element_spec,
         jit_compile,
-        checkpoint_dir,
+        log_dir,
         per_replica=train_input.fn is not None,
         reuse=distribute.num_workers(strategy) < 2,
         say=(lambda line: print(line, flush=True)) if verbose != 0 else None,
@@ -146,16 +148,16 @@ def fit(
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
     optimizer = steps.optimizer
     chief = distribute.is_chief(strategy)
-    log_dir = log_dir or checkpoint_dir
+    run_dir = log_dir
     if log_dir and not chief:
         log_dir = tempfile.mkdtemp(prefix="tfmp-worker-logs-")
     saver, position, step = None, initial_epoch * (train_input.period or 0), 0
     with contextlib.ExitStack() as cleanup:
+        if checkpoint_dir and chief:  # One run at a time in a checkpoint directory.
+            cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
+        if chosen_now and chief:
+            decisions.record(run_dir, "jit_compile", use, why)
         if checkpoint_dir:
-            if chief:  # One run at a time in a checkpoint directory.
-                cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
-                if chosen_now:
-                    decisions.record(checkpoint_dir, "jit_compile", use, why)
             target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
             saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
             if saver.restore():

@@ -73,7 +73,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 def needs_loss_scaling(model=None):
     """Whether any layer of `model` computes in float16 (without a model: the global policy)."""
     if model is None:
-        return precision.needs_loss_scaling()
+        return precision.compute_dtype() == "float16"  # float16 is the one that needs a loss scale.
     return any(layer.compute_dtype == "float16" for layer in [model, *keras_compat.sublayers(model)])
 
 

@@ -223,14 +223,14 @@ def float8_enabled():
     return _float8[0] is not None and keras.config.dtype_policy() is _float8[0]
 
 
-def compute_dtype():
-    """The compute dtype of the global policy, e.g. "bfloat16"."""
-    return keras.config.dtype_policy().compute_dtype
-
-
-def needs_loss_scaling():
-    """Whether the global policy computes in float16, the only one that needs a loss scale."""
-    return compute_dtype() == "float16"
+def compute_dtype(policy=None):
+    """The compute dtype of policy name `policy` (float8: its bfloat16 base), or of the
+    global policy without one, e.g. "bfloat16"."""
+    if policy is None:
+        return keras.config.dtype_policy().compute_dtype
+    if policy not in POLICIES or policy == "auto":
+        raise UsageError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES[1:])}")
+    return keras.DTypePolicy(FLOAT8_BASE if policy == "float8" else policy).compute_dtype
 
 
 def keep_float32(model_or_names, names_or_regexes=None):

@@ -8,8 +8,6 @@ and applied. Under loss scaling the update is skipped on every replica when any 
 gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -17,42 +15,10 @@ from absl import logging
 
 from tfmp import distribute, float8, fused, gradients, keras_compat
 from tfmp.errors import first_line
-from tfmp.loss_scale import LossScaleOptimizer
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
-
-
-def _as_given(grads_and_vars):
-    return grads_and_vars
-
-
-@contextlib.contextmanager
-def reduced_gradients(optimizer, update_step=None):
-    """While active, `optimizer` applies gradients that the caller has already all-reduced,
-    each with `update_step` (from `tfmp.fused`) where one is given.
-
-    Keras optimizers all-reduce inside `apply` (and clip before that, per replica); these
-    steps reduce and clip first. The overrides live on the instance only while a step of
-    ours traces or runs, and are removed afterwards, so the same optimizer used later with
-    `model.fit` sums its gradients again.
-    """
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    # Plain attributes, set past Keras' tracking __setattr__ (its tracking cost up to 0.1 ms per
-    # step): they only steer tracing, and are never saved.
-    overrides = [(inner, "_all_reduce_sum_gradients", _as_given)]
-    if update_step is not None:
-        overrides.append((inner, "update_step", update_step))
-    if isinstance(optimizer, LossScaleOptimizer):
-        overrides.append((optimizer, "gradients_reduced", True))
-    for owner, name, value in overrides:
-        object.__setattr__(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, _ in overrides:
-            object.__delattr__(owner, name)
 
 
 def _max_over_replicas(context, values):
@@ -125,6 +91,9 @@ class Steps:
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
+        # What applies the all-reduced gradients: tfmp's own copy of the optimizer, sharing
+        # its variables; the user's optimizer object is never changed (keras_compat).
+        self._applier = keras_compat.reduced_applier(self.optimizer, self._update_step, "gradients_reduced")
         # Which gradients to make dense before the all-reduce: all of them with sparse=False;
         # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
         # moments decay on every row): once dense, they need no deduplication for the norm.
@@ -182,11 +151,10 @@ class Steps:
         """Queues `updates` updates from `iterator` on the device and returns at once, with
         what they will return packed into one tensor (see `read`): nothing here waits for
         the device."""
-        with reduced_gradients(self.optimizer, self._update_step):
-            fn = self._many if updates > 1 else self._one
-            out = self._first_call(fn, iterator)
-            if out is _FAILED:  # XLA failed to compile: the same update without it.
-                out = (self._many if updates > 1 else self._one)(iterator)
+        fn = self._many if updates > 1 else self._one
+        out = self._first_call(fn, iterator)
+        if out is _FAILED:  # XLA failed to compile: the same update without it.
+            out = (self._many if updates > 1 else self._one)(iterator)
         return out
 
     def read(self, packed):
@@ -281,7 +249,7 @@ class Steps:
             factor = self.clipnorm / tf.maximum(grad_norm, self.clipnorm)
             for k in weights:
                 reduced[k] = gradients.scale(reduced[k], factor)
-        optimizer.apply(reduced, [self.variables[i] for i in self.applied])
+        self._applier.apply(reduced, [self.variables[i] for i in self.applied])
         return tf.add_n(losses) / len(losses), grad_norm, finite
 
     def _update(self, iterator):

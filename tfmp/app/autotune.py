@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import callbacks, files, loop, loss_scale, precision, timing
+from tfmp import callbacks, files, inputs, loop, loss_scale, precision, timing
 from tfmp.app import models
 from tfmp.precision import Decision
 
@@ -173,7 +173,8 @@ class Candidate:
             self.model = models.compile(build_model(), loss_scale.wrap_optimizer(keras.optimizers.Adam(1e-3)))
         self.steps = loop.prepare(self.model, strategy, ds.train.element_spec)
         self.global_batch = global_batch
-        self.iterator = iter(ds.distribute(strategy, options=_TRIAL_INPUT))
+        trial_input = inputs.Input(lambda c: ds.make_train(c).with_options(_TRIAL_INPUT), strategy, 1, 1, "data")
+        self.iterator = trial_input.stream(0)  # tfmp.fit's own input path, repeated.
         self.cut_off, self.loss = False, float("nan")
         self.durations, self.finite = [], True  # Every step's seconds, warm-up included.
 

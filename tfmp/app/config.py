@@ -9,8 +9,6 @@ from tfmp.app import models
 from tfmp.checkpoint import check_writable
 from tfmp.errors import UsageError
 
-DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}
-
 
 @dataclasses.dataclass
 class Config:

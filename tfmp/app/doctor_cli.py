@@ -4,14 +4,13 @@ python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer f
 python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
 """
 
-import json
 import os
 import tempfile
 
 import keras
 from absl import app, flags
 
-from tfmp import cli, data, doctor, float8, precision
+from tfmp import cli, data, doctor, files, float8, precision
 from tfmp.app import models, training
 
 FLAGS = flags.FLAGS
@@ -82,7 +81,7 @@ def run_parity():
 def run_diagnosis():
     entry = models.MODELS[FLAGS.model]
     ds = data.load(
-        FLAGS.dataset or {"image": "digits", "text": "sentiment"}[entry.kind],
+        FLAGS.dataset or models.DEFAULT_DATASETS[entry.kind],
         FLAGS.batch_size,
         FLAGS.data_dir,
         kind=entry.kind,
@@ -90,10 +89,7 @@ def run_diagnosis():
         drop_remainder=True,
     )
     precision.apply_policy(precision.resolve_policy(FLAGS.policy))
-    if entry.kind == "image":
-        model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-    else:
-        model = entry.build(ds.source.num_classes, vocab_size=ds.vectorizer.vocabulary_size())
+    model = models.build(FLAGS.model, ds)
     if precision.float8_enabled():
         float8.quantize(model)
     models.compile(model, keras.optimizers.Adam(1e-3))
@@ -112,8 +108,7 @@ def main(argv):
         if FLAGS.parity:
             result = run_parity()
             path = os.path.join(FLAGS.output_dir, "parity.json")
-            with open(path, "w") as f:
-                json.dump(result, f, indent=2)
+            files.write_json(path, result)
         else:
             json_path, png_path = run_diagnosis().save(FLAGS.output_dir)
             path = f"{json_path} and {png_path}"

@@ -3,6 +3,7 @@
 import csv
 import hashlib
 
+import keras
 import numpy as np
 
 from tfmp import distribute
@@ -30,6 +31,17 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)
+
+
+class Summary(keras.callbacks.Callback):
+    """Prints `summary` as training begins, with the XLA choice `tfmp.fit` made (its params)."""
+
+    def __init__(self, say, *args):
+        super().__init__()
+        self.say, self.args = say, args
+
+    def on_train_begin(self, logs=None):
+        self.say(summary(*self.args, xla=(self.params["jit_compile"], self.params["jit_compile_reason"])))
 
 
 def weights_fingerprint(model):

@@ -20,15 +20,13 @@ from tfmp import (
     doctor,
     files,
     float8,
-    inputs,
     loop,
     loss_scale,
     precision,
     seed,
-    xla,
 )
 from tfmp.app import autotune, export, models, report
-from tfmp.app.config import DEFAULT_DATASETS, JIT_COMPILE, Config, validate  # noqa: F401 - re-exported.
+from tfmp.app.config import JIT_COMPILE, Config, validate  # noqa: F401 - Config: re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 
@@ -162,25 +160,11 @@ def _train_and_evaluate(config, out, cleanup):
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    train_input = inputs.Input(ds.make_train, strategy, steps * plan.grad_accum_steps, plan.grad_accum_steps, "data")
-    compiled = loop.prepare(
-        model, strategy, train_input.element_spec, plan.grad_accum_steps, config.clipnorm, config.steps_per_execution
-    )
-    jit = xla.resolve_run(
-        compiled,
-        train_input.element_spec,
-        JIT_COMPILE[config.jit_compile],
-        model_dir,
-        per_replica=True,
-        reuse=one_host,
-        say=say,
-    )
-    if jit[2] and chief:  # Chosen now; this process holds --model_dir's lock.
-        decisions.record(model_dir, "jit_compile", jit[0], jit[1])
-    say(report.summary(config, decision, strategy, plan, ds.source, model, steps, start, jit[:2]))
+    # The summary prints as training begins, with what tfmp.fit decided (XLA).
+    summary = report.Summary(say, config, decision, strategy, plan, ds.source, model, steps, start)
     # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
-    rate, seconds, test = _train_and_test(
-        config, model, (dataset, ds), strategy, plan, steps, checkpoint_dir, model_dir, jit[0], out
+    rate, seconds, test, params = _train_and_test(
+        config, model, (dataset, ds), strategy, plan, steps, (checkpoint_dir, model_dir), summary, out
     )
     # 9. Record: metrics.json, training.png; export.
     history_path = os.path.join(model_dir, "history.csv")
@@ -192,8 +176,8 @@ def _train_and_evaluate(config, out, cleanup):
         "test_loss": test["loss"],
         "policy": decision.policy,
         "policy_reason": decision.reason,
-        "jit_compile": jit[0],
-        "jit_compile_reason": jit[1],
+        "jit_compile": params["jit_compile"],
+        "jit_compile_reason": params["jit_compile_reason"],
         **_plan_metrics(strategy, plan),
         "examples_per_second": rate,
         "train_seconds": seconds,
@@ -270,7 +254,7 @@ def _precision_by_trial(config, trial, build_model, ds, strategy, plan, model_di
 
 def _load_data(config, entry, plan, strategy):
     """(the dataset's name, its `Data`), checked against the model's input kind."""
-    dataset = config.dataset or DEFAULT_DATASETS[entry.kind]
+    dataset = config.dataset or models.DEFAULT_DATASETS[entry.kind]
     ds = data.load(
         dataset,
         plan.global_batch,
@@ -317,13 +301,7 @@ def _model_builder(config, entry, ds):
 
     def build_model():
         with precision.keep_float32(list(config.keep_float32)):
-            if entry.kind == "image":
-                model = entry.build(ds.source.num_classes, input_shape=ds.source.image_shape)
-            else:
-                vocab_size = ds.vectorizer.vocabulary_size()
-                model = entry.build(
-                    ds.source.num_classes, vocab_size=vocab_size, sequence_length=config.sequence_length
-                )
+            model = models.build(config.model, ds, config.sequence_length)
         if precision.float8_enabled():  # Before compile builds the optimizer (tfmp.float8).
             float8.quantize(model, exclude=list(config.float8_exclude))
         return model
@@ -331,40 +309,41 @@ def _model_builder(config, entry, ds):
     return build_model
 
 
-def _train_and_test(config, model, data_, strategy, plan, steps, checkpoint_dir, model_dir, jit_compile, out):
+def _train_and_test(config, model, data_, strategy, plan, steps, dirs, summary, out):
     """Trains with tfmp.fit (resuming from the latest checkpoint) and evaluates on every
-    test example of `data_` ((its name, its `Data`)); returns (train examples/s, train
-    seconds, the test metrics)."""
+    test example of `data_` ((its name, its `Data`)); `dirs` is (checkpoint_dir, the run's
+    directory). Returns (train examples/s, train seconds, the test metrics, fit's params)."""
     dataset, ds = data_
+    checkpoint_dir, model_dir = dirs
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     calls = plan.effective_batch * config.steps_per_execution  # Examples per compiled call.
     throughput = callbacks.Throughput(calls, max(1, config.warmup_steps // config.steps_per_execution))
     try:
         begin = time.perf_counter()
-        loop.fit(
+        history = loop.fit(
             model,
             ds.make_train,  # Per-worker input: each worker reads its own shard.
             epochs=config.epochs,
             steps_per_epoch=steps * plan.grad_accum_steps,
-            callbacks=[throughput],
+            callbacks=[summary, throughput],
             strategy=strategy,
             grad_accum_steps=plan.grad_accum_steps,
             clipnorm=config.clipnorm,
             steps_per_execution=config.steps_per_execution,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=config.checkpoint_every,
-            log_dir=model_dir,
+            log_dir=model_dir,  # Its decisions.json keeps fit's XLA choice beside the precision one.
             log_every=config.log_every,
-            jit_compile=jit_compile,
+            jit_compile=JIT_COMPILE[config.jit_compile],
             verbose=verbose,
         )
         seconds = time.perf_counter() - begin
-        test = loop.evaluate(model, ds.test, strategy=strategy, jit_compile=jit_compile)
+        test = loop.evaluate(model, ds.test, strategy=strategy, jit_compile=history.params["jit_compile"])
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
         raise TrainingError(
             f"the input data of {dataset!r} is corrupt ({first_line(e)}); prepare it again. The checkpoints are intact"
         ) from e
-    return throughput.examples_per_second, seconds, test
+    return throughput.examples_per_second, seconds, test, history.params
 
 
 def _plan_metrics(strategy, plan):

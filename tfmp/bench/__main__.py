@@ -13,13 +13,12 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from tfmp import precision  # noqa: E402
+from tfmp import files, precision  # noqa: E402
 from tfmp.bench import measure, micro, runs  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -80,7 +79,8 @@ def main(argv):
     del argv
     unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
     if unknown:
-        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {', '.join(measure.DTYPES)}", file=sys.stderr)
+        choices = ", ".join(precision.POLICIES[1:])
+        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
         sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
@@ -97,7 +97,7 @@ def main(argv):
     for op, label in labels.items():
         for policy, peak in peaks[op].items():
             print(
-                f"{label} peak, {measure.compute_dtype(policy)}: {peak['flops'] / 1e9:,.1f} GFLOP/s"
+                f"{label} peak, {precision.compute_dtype(policy)}: {peak['flops'] / 1e9:,.1f} GFLOP/s"
                 + (" (cut off)" if peak["cut_off"] else ""),
                 flush=True,
             )
@@ -159,8 +159,7 @@ def main(argv):
         "updates": updates,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    with open(os.path.join(FLAGS.output_dir, "bench.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    files.write_json(os.path.join(FLAGS.output_dir, "bench.json"), result)
     with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
         f.write(runs.markdown(result) + "\n")
     if rows:

@@ -1,4 +1,4 @@
-"""The measuring parts of `tfmp.bench` and `--precision=autotune`: each returns plain figures."""
+"""The measuring parts of `tfmp.bench`: peaks, FLOPs, memory, input rate; each returns plain figures."""
 
 import os
 import statistics
@@ -6,18 +6,8 @@ import time
 
 import tensorflow as tf
 
-from tfmp import data
+from tfmp import data, precision
 from tfmp.app import models
-
-# float8's own matmul peak is not timed (TensorFlow has no float8 matmul op outside XLA's
-# rewrites): its bfloat16 base stands in for it.
-DTYPES = {"float32": "float32", "mixed_bfloat16": "bfloat16", "mixed_float16": "float16", "float8": "bfloat16"}
-DEFAULT_DATA = {"image": "digits", "text": "sentiment"}
-
-
-def compute_dtype(policy):
-    """The compute dtype of a policy name."""
-    return DTYPES[policy]
 
 
 def matmul_peaks(policies, n=2048, budget_seconds=20.0):
@@ -29,7 +19,7 @@ def matmul_peaks(policies, n=2048, budget_seconds=20.0):
     """
     peaks = {}
     for policy in policies:
-        dtype = compute_dtype(policy)
+        dtype = precision.compute_dtype(policy)  # float8: its bfloat16 base (no float8 matmul op).
         a = tf.random.uniform((n, n), dtype=tf.float32)
         a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
         matmul = tf.function(lambda x, y: tf.reduce_sum(tf.cast(tf.matmul(x, y)[0, :1], tf.float32)))
@@ -57,7 +47,7 @@ def conv_peaks(policies, batch=32, size=56, channels=64, budget_seconds=20.0):
     policy's compute dtype: {policy: {"flops": FLOP/s, "cut_off": bool}}."""
     peaks = {}
     for policy in policies:
-        dtype = compute_dtype(policy)
+        dtype = precision.compute_dtype(policy)  # float8: its bfloat16 base (no float8 matmul op).
         x = tf.cast(tf.random.uniform((batch, size, size, channels)), dtype)
         kernel = tf.cast(tf.random.uniform((3, 3, channels, channels)) * 0.1, dtype)
 
@@ -116,7 +106,7 @@ def bench_data(kind, batch_size):
     """The model kind's shipped real dataset, repeated, built once per (kind, batch)."""
     key = (kind, batch_size)
     if key not in _DATA_CACHE:
-        _DATA_CACHE[key] = data.load(DEFAULT_DATA[kind], batch_size, repeat=True, drop_remainder=True)
+        _DATA_CACHE[key] = data.load(models.DEFAULT_DATASETS[kind], batch_size, repeat=True, drop_remainder=True)
     return _DATA_CACHE[key]
 
 
@@ -129,15 +119,3 @@ def input_rate(dataset, batch_size, batches=200, warmup=100):
     for _ in range(batches):
         next(iterator)
     return batches * batch_size / (time.perf_counter() - start)
-
-
-def build_model(name, source, ds):
-    """Builds registry model `name` for the data's shape, under the global policy."""
-    entry = models.MODELS[name]
-    if entry.kind == "image":
-        return entry.build(source.num_classes, input_shape=source.image_shape)
-    return entry.build(
-        source.num_classes,
-        vocab_size=ds.vectorizer.vocabulary_size(),
-        sequence_length=ds.train.element_spec[0].shape[-1],
-    )

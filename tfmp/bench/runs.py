@@ -75,7 +75,7 @@ def _model_and_data(name, batch_size):
     if name in realsize.MODELS:
         return realsize.MODELS[name], realsize.synthetic(name, batch_size)
     ds = measure.bench_data(models.MODELS[name].kind, batch_size)
-    return functools.partial(measure.build_model, name, ds.source, ds), ds.train
+    return functools.partial(models.build, name, ds), ds.train
 
 
 _LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
@@ -274,7 +274,7 @@ def policy_choices(rows, names, policies, batch_size, runs=3, trial_seconds=None
         for _ in range(runs):
             keras.backend.clear_session()
             ds = measure.bench_data(models.MODELS[name].kind, batch_size)
-            build = functools.partial(measure.build_model, name, ds.source, ds)
+            build = functools.partial(models.build, name, ds)
             with tempfile.TemporaryDirectory() as cache_dir:
                 start = time.perf_counter()
                 strategy = tf.distribute.get_strategy()

@@ -7,7 +7,6 @@ import typing
 import keras
 import tensorflow as tf
 
-from tfmp import distribute
 from tfmp.data import sources
 
 AUTOTUNE = tf.data.AUTOTUNE
@@ -40,26 +39,6 @@ class Data:
     def train(self):
         """The training batches at the global batch size, for one process."""
         return self.make_train()
-
-    def distribute(self, strategy, options=None):
-        """Training input for `strategy`: each worker builds and reads only its own shard.
-
-        Uses `distribute_datasets_from_function`, so a multi-worker or TPU-pod job reads
-        its part of the data per host, batched at the per-replica size.
-
-        Args:
-            strategy: the run's strategy.
-            options: `tf.data.Options` to merge into each pipeline's own, if any.
-        """
-        if strategy.num_replicas_in_sync == 1 and distribute.num_workers(strategy) == 1:
-            ds = self.train
-            return ds.with_options(options) if options else ds
-
-        def dataset_fn(context):
-            ds = self.make_train(context)
-            return ds.with_options(options) if options else ds
-
-        return strategy.distribute_datasets_from_function(dataset_fn)
 
 
 def _augment(image, seed):

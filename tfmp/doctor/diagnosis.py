@@ -2,11 +2,12 @@
 the gradient histogram (gradients.png)."""
 
 import dataclasses
-import json
 import math
 import os
 
 import numpy as np
+
+from tfmp import files
 
 FLOAT16_MAX = 65504.0
 
@@ -97,8 +98,7 @@ class Diagnosis:
         """Writes diagnosis.json and gradients.png into `directory`; returns their paths."""
         os.makedirs(directory, exist_ok=True)
         json_path = os.path.join(directory, "diagnosis.json")
-        with open(json_path, "w") as f:
-            json.dump(self.to_dict(), f, indent=2)
+        files.write_json(json_path, self.to_dict())
         return json_path, self.plot(os.path.join(directory, "gradients.png"))
 
     def plot(self, path):

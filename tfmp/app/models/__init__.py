@@ -1,4 +1,5 @@
-"""The bundled models: a plain dict from name to (input kind, builder)."""
+"""The bundled models: a plain dict from name to (input kind, builder), the shipped
+dataset each input kind trains on by default, and `build` for a model on its data."""
 
 import typing
 
@@ -20,6 +21,24 @@ MODELS = {
     "lstm": Entry("text", lstm.build),
     "transformer": Entry("text", transformer.build),
 }
+
+
+DEFAULT_DATASETS = {"image": "digits", "text": "sentiment"}  # The shipped samples (tfmp/data/samples).
+
+
+def build(name, ds, sequence_length=None):
+    """Builds bundled model `name` for the `Data` it trains on, under the global policy.
+
+    Args:
+        name: a key of `MODELS`.
+        ds: a `tfmp.data.Data`: its source's classes and image shape, or its vocabulary.
+        sequence_length: text models: tokens per example (default: the data's).
+    """
+    entry, source = MODELS[name], ds.source
+    if entry.kind == "image":
+        return entry.build(source.num_classes, input_shape=source.image_shape)
+    length = sequence_length or ds.train.element_spec[0].shape[-1]
+    return entry.build(source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(), sequence_length=length)
 
 
 def compile(model, optimizer, steps_per_execution=1):  # noqa: A001 - Keras' word for it.
