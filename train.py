@@ -84,9 +84,10 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "jit_compile",
     "auto",
-    ["auto", "true", "false"],
-    "XLA for each replica's forward and backward passes, under any strategy. auto: measure both ways before "
-    "training and keep XLA only where it is clearly faster; a model XLA cannot compile trains without it.",
+    ["auto", "autotune", "true", "false"],
+    "XLA for each replica's forward and backward passes, under any strategy. auto: on GPUs and TPUs, off on "
+    "CPUs (a rule); autotune: measure both ways before training and keep XLA only where it is clearly faster "
+    "(recorded in --model_dir); a model XLA cannot compile trains without it.",
 )
 flags.DEFINE_float(
     "trial_seconds",

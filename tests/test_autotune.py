@@ -80,14 +80,21 @@ def test_unknown_precision_lists_autotune():
 
 
 def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_directory(tmp_path, monkeypatch, caplog):
-    from tfmp import precision
+    from tfmp import keras_compat, precision, xla
 
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=("amx_bf16",)))
     monkeypatch.setitem(models.MODELS, "tiny", dense_model())
+    # Injected timings: the path taken does not depend on this CPU's speed.
+    monkeypatch.setattr(FakeCandidate, "RATES", {"float32": [100, 101, 99], "mixed_bfloat16": [150, 149, 151]})
+    monkeypatch.setattr(training.autotune, "Candidate", FakeCandidate)
+    monkeypatch.setattr(xla, "measure", lambda *_: {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]})
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)
     config = training.Config(
         model="tiny",
         dataset="synthetic",
         precision="auto",
+        jit_compile="autotune",
         batch_size=32,
         epochs=1,
         steps_per_epoch=2,
@@ -98,11 +105,13 @@ def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_direc
     metrics = training.train_and_evaluate(config, out=io.StringIO())
     (entry,) = json.loads((tmp_path / "autotune.json").read_text()).values()
     assert [r["policy"] for r in entry["rows"]] == ["float32", "mixed_bfloat16"]
-    assert metrics["policy"] == entry["policy"] and metrics["policy_reason"].startswith("auto: CPU with bfloat16")
+    assert metrics["policy"] == entry["policy"] == "mixed_bfloat16" and metrics["jit_compile"] is True
+    assert metrics["policy_reason"].startswith("auto: CPU with bfloat16")
     recorded = json.loads((tmp_path / "decisions.json").read_text())
-    assert recorded["precision"]["value"] == metrics["policy"] and "jit_compile" in recorded
+    assert recorded["precision"]["value"] == "mixed_bfloat16" and recorded["jit_compile"]["value"] is True
     # A rerun in the same directory takes both decisions again, whatever a new trial would say.
     monkeypatch.setattr(training.autotune, "trial", None)  # Would fail if called.
+    monkeypatch.setattr(xla, "measure", None)
     keras.backend.clear_session()
     again = training.train_and_evaluate(config, out=io.StringIO())
     assert again["policy"] == metrics["policy"] and again["jit_compile"] == metrics["jit_compile"]

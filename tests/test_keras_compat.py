@@ -182,3 +182,16 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
         not hasattr(wrapped, "gradients_reduced")
         and copied.inner_optimizer.iterations is wrapped.inner_optimizer.iterations
     )
+
+
+def test_op_determinism_reads_tensorflows_switch():
+    was = keras_compat.op_determinism()
+    tf.config.experimental.enable_op_determinism()
+    try:
+        assert keras_compat.op_determinism() is True
+    finally:
+        if not was:
+            from tensorflow.python.framework import config as tf_config
+
+            tf_config.disable_op_determinism()
+    assert keras_compat.op_determinism() is was

@@ -241,9 +241,17 @@ def test_sigterm_during_final_evaluation_exits_75(tmp_path, capsys, monkeypatch)
     assert checkpoint.step_of(latest) == 2
 
 
-def test_same_seed_same_weights_whatever_the_precision_trial_did(tmp_path):
-    """A fresh run (the auto trial measures, on CPUs with bfloat16), a run with the trial's
-    cache present, and an explicit run of the chosen policy end with the same weights."""
+def test_same_seed_same_weights_whatever_the_precision_trial_did(tmp_path, monkeypatch):
+    """A fresh run (the auto trial builds and steps its candidates, on CPUs with bfloat16), a
+    run with the trial's cache present, and an explicit run of the chosen policy end with the
+    same weights. The rounds' rates are injected (bfloat16 wins): the path taken does not
+    depend on this CPU's speed."""
+    from tfmp import timing
+
+    def rounds(runners, *args, **kwargs):
+        return {p: [150.0 if p == "mixed_bfloat16" else 100.0] * 5 for p in runners}
+
+    monkeypatch.setattr(timing, "alternate", rounds)
     common = dict(
         dataset="synthetic", epochs=1, steps_per_epoch=3, batch_size=16, seed=5, deterministic=True, verbose=0
     )

@@ -10,7 +10,7 @@ import tensorflow as tf
 import tiny
 
 import tfmp
-from tfmp import loop, steps, xla
+from tfmp import keras_compat, loop, steps, xla
 from tfmp.errors import UsageError
 
 
@@ -88,7 +88,21 @@ def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirr
         np.testing.assert_allclose(a, b, atol=2e-3)  # float16 compute, fused differently by XLA.
 
 
-def test_auto_follows_the_measurement(monkeypatch, capsys):
+def test_auto_is_a_rule_that_never_times(monkeypatch):
+    """The default takes the same path on every run: by the hardware, never by a timing."""
+
+    def never(*_):
+        raise AssertionError("auto timed the step")
+
+    monkeypatch.setattr(xla, "measure", never)
+    monkeypatch.setattr(xla, "_VERDICTS", {})
+    history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0)
+    gpu = bool(tf.config.list_physical_devices("GPU"))
+    assert history.params["jit_compile"] is gpu
+    assert history.params["jit_compile_reason"].startswith(f"auto: {'GPUs: on' if gpu else 'CPUs: off'} (a rule")
+
+
+def test_autotune_follows_the_measurement(monkeypatch, capsys):
     verdicts = iter(
         [
             {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},
@@ -97,17 +111,17 @@ def test_auto_follows_the_measurement(monkeypatch, capsys):
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(verdicts))
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(xla, "_deterministic", lambda: False)  # Another test may have turned it on.
+    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)  # Another test may have turned it on.
     data = regression_data()
-    faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=2)
+    faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=2, jit_compile="autotune")
     printed = capsys.readouterr().out  # The timing's cost is said before it runs, then the choice.
-    assert printed.index("XLA: timing the step with and without XLA for up to") < printed.index("XLA: on (auto:")
+    assert printed.index("XLA: timing the step with and without XLA for up to") < printed.index("XLA: on (autotune:")
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    slower = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0)
+    slower = tfmp.fit(tiny_regression(), data, epochs=1, verbose=0, jit_compile="autotune")
     assert faster.params["jit_compile"] is True and slower.params["jit_compile"] is False
 
 
-def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_path, caplog):
+def test_a_resumed_run_keeps_the_choice_autotune_made_at_its_start(monkeypatch, tmp_path, caplog):
     timings = iter(
         [
             {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]},  # The first run: XLA wins.
@@ -116,13 +130,14 @@ def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(timings))
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(xla, "_deterministic", lambda: False)
-    first = tfmp.fit(tiny_regression(), regression_data(), epochs=1, checkpoint_dir=str(tmp_path), verbose=0)
+    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)
+    run = {"checkpoint_dir": str(tmp_path), "verbose": 0, "jit_compile": "autotune"}
+    first = tfmp.fit(tiny_regression(), regression_data(), epochs=1, **run)
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    resumed = tfmp.fit(tiny_regression(), regression_data(), epochs=2, **run)
     assert first.params["jit_compile"] is True and resumed.params["jit_compile"] is True
     assert next(timings)[xla.ON] == [60.0] * 5  # Not measured again.
-    assert resumed.params["jit_compile_reason"].startswith(f"as recorded in {tmp_path / 'decisions.json'}: auto")
+    assert resumed.params["jit_compile_reason"].startswith(f"as recorded in {tmp_path / 'decisions.json'}: autotune")
     assert resumed.params["dtype_policy"] == "float32"
     # Asked for explicitly, another choice trains; one line says that it differs.
     with caplog.at_level("WARNING"):
@@ -134,7 +149,7 @@ def test_a_resumed_run_keeps_the_choice_auto_made_at_its_start(monkeypatch, tmp_
     assert line.startswith("XLA: no XLA, where") and "recorded XLA" in line and "will not match" in line
 
 
-def test_auto_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
+def test_autotune_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
     """Reruns must match bit for bit: a timing could turn XLA on in one run and off in the next."""
 
     def never(*_):
@@ -142,8 +157,8 @@ def test_auto_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
 
     monkeypatch.setattr(xla, "measure", never)
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(xla, "_deterministic", lambda: True)
-    history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0)
+    monkeypatch.setattr(keras_compat, "op_determinism", lambda: True)
+    history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0, jit_compile="autotune")
     assert history.params["jit_compile"] is bool(tf.config.list_physical_devices("GPU"))
 
 

@@ -197,3 +197,11 @@ def reduced_applier(optimizer, update_step=None, reduced_flag=None):
     if update_step is not None:
         object.__setattr__(inner, "update_step", update_step)
     return applier
+
+
+def op_determinism():
+    """Whether `tf.config.experimental.enable_op_determinism()` is on (TensorFlow has no
+    public getter)."""
+    from tensorflow.python.framework import config as tf_config  # noqa: PLC0415 - private, here only.
+
+    return tf_config.is_op_determinism_enabled()

@@ -104,13 +104,14 @@ def fit(
         log_every: batches between TensorBoard writes.
         jit_compile: run each replica's forward and backward passes as one XLA
             computation, under any strategy (the all-reduce, clipping and update stay
-            outside it). "auto" measures both ways before training (alternating rounds,
-            a few seconds) and keeps XLA only where it is clearly faster. A model XLA
-            cannot compile trains without it, after one warning line. The choice is in
-            `History.params["jit_compile"]` (the reason in "jit_compile_reason"). It is
-            recorded in the run's directory (`log_dir`, else `checkpoint_dir`: its
-            decisions.json) and taken again by a resumed run or a rerun there, so that
-            both train alike.
+            outside it). "auto": a rule, the same every run: on GPUs and TPUs, not on
+            CPUs. "autotune" measures both ways before training (alternating rounds, up
+            to 15 s, said before they run) and keeps XLA only where it is clearly faster;
+            the choice is recorded in the run's directory (`log_dir`, else
+            `checkpoint_dir`: its decisions.json) and taken again by a resumed run or a
+            rerun there, so that both train alike. A model XLA cannot compile trains
+            without it, after one warning line. The choice is in
+            `History.params["jit_compile"]` (the reason in "jit_compile_reason").
         verbose: "auto", 0 (silent), 1 (progress bar) or 2 (a line per epoch).
 
     Returns:
@@ -144,7 +145,7 @@ def fit(
         reuse=distribute.num_workers(strategy) < 2,
         say=(lambda line: print(line, flush=True)) if verbose != 0 else None,
     )
-    if verbose != 0 and jit_compile == "auto":
+    if verbose != 0 and jit_compile == "autotune":
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
     optimizer = steps.optimizer
     chief = distribute.is_chief(strategy)

@@ -1,13 +1,16 @@
 """`jit_compile`: whether the per-replica math of tfmp's steps runs as one XLA computation.
 
-"auto" compiles the step with XLA (a model XLA cannot compile runs without it, after one
-warning line) and then times the forward and backward passes with and without XLA, in
-alternating rounds on a batch of ones (a call of each in turn), keeping XLA only when it
-is clearly faster (see `tfmp.timing`). The timing changes nothing: the layers'
-non-trainable state (batch-norm statistics, dropout seeds) is put back afterwards. On several workers, which would time
-differently and must all run the same collectives, and under op determinism, where reruns
-must match bit for bit, "auto" follows a rule instead: XLA on GPUs, not on CPUs (TPUs
-always compile with XLA).
+"auto" (the default) is a rule, the same on every run: XLA on GPUs and TPUs, not on CPUs;
+a model XLA cannot compile runs without it, after one warning line.
+
+"autotune" (opt-in) also compiles the step with XLA and then times the forward and backward
+passes with and without XLA, in alternating rounds on a batch of ones (a call of each in
+turn), keeping XLA only when it is clearly faster (see `tfmp.timing`); its cost is said
+before it runs, and `tfmp.fit` records the choice in the run's directory for a resumed
+run or a rerun to take again. The timing changes nothing: the layers' non-trainable state
+(batch-norm statistics, dropout seeds) is put back afterwards. On several workers, which
+would time differently and must all run the same collectives, and under op determinism,
+where reruns must match bit for bit, "autotune" follows the rule too.
 """
 
 import re
@@ -20,19 +23,19 @@ from absl import logging
 from tfmp import decisions, distribute, gradients, keras_compat, timing
 from tfmp.errors import UsageError, first_line
 
-CHOICES = ("auto", True, False)
+CHOICES = ("auto", "autotune", True, False)
 AUTO_BUDGET_SECONDS = 15.0
 TURN_SECONDS = 0.25  # Each variant's share of a round.
 # Per model architecture, batch and setup, in this process: whether XLA compiles it (None
-# or why not), and what "auto" measured.
+# or why not), and what "autotune" measured.
 _PROBES, _VERDICTS = {}, {}
 ON, OFF = "XLA", "no XLA"
 
 
 def check(jit_compile):
-    """Raises UsageError unless `jit_compile` is "auto", True or False."""
+    """Raises UsageError unless `jit_compile` is "auto", "autotune", True or False."""
     if jit_compile not in CHOICES or (jit_compile in (0, 1) and not isinstance(jit_compile, bool)):
-        raise UsageError(f'jit_compile must be "auto", True or False, got {jit_compile!r}')
+        raise UsageError(f'jit_compile must be "auto", "autotune", True or False, got {jit_compile!r}')
 
 
 def replica_batch(element_spec, replicas, default_batch=8):
@@ -151,30 +154,30 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
         use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
     elif jit_compile is True:
         use, why = True, "on"
-    elif distribute.num_workers(steps.strategy) > 1 or _deterministic():
-        # Timings differ between hosts, which must all run the same collectives, and between
-        # reruns, which must match bit for bit under op determinism: a rule instead.
-        use = bool(tf.config.list_physical_devices("GPU"))
-        who = "on several workers" if distribute.num_workers(steps.strategy) > 1 else "with deterministic ops"
-        why = f"auto {who}: {'GPUs: on' if use else 'CPUs: off'} (a rule, not a timing, so that all runs agree)"
+    elif jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or keras_compat.op_determinism():
+        use, why = _rule(steps.strategy, jit_compile)
     else:
         if key not in _VERDICTS:
             if say is not None:
                 say(
                     f"XLA: timing the step with and without XLA for up to {AUTO_BUDGET_SECONDS:g} s "
-                    '(jit_compile="auto"; True or False skips it)'
+                    '(jit_compile="autotune"; "auto", True or False skips it)'
                 )
             _VERDICTS[key] = timing.decide(measure(steps, batches), baseline=OFF)
         verdict = _VERDICTS[key]
-        use, why = verdict.choice == ON, f"auto: {verdict.reason}"
+        use, why = verdict.choice == ON, f"autotune: {verdict.reason}"
     steps.compile(use)
     return use, why
 
 
-def _deterministic():
-    from tensorflow.python.framework import config as tf_config  # Not in TF's public API.
-
-    return tf_config.is_op_determinism_enabled()
+def _rule(strategy, jit_compile):
+    """(XLA on?, why) by the hardware: on GPUs, off on CPUs (TPUs compile with XLA before this)."""
+    use = bool(tf.config.list_physical_devices("GPU"))
+    hardware = "GPUs: on" if use else "CPUs: off"
+    if jit_compile == "auto":
+        return use, f'auto: {hardware} (a rule, the same every run; jit_compile="autotune" times it)'
+    who = "on several workers" if distribute.num_workers(strategy) > 1 else "with deterministic ops"
+    return use, f"autotune {who}: {hardware} (a rule, not a timing, so that all runs agree)"
 
 
 def _fingerprint(steps, batches):
@@ -196,7 +199,7 @@ def _show(use):
 
 
 def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True, say=None):
-    """`resolve` for a run kept in `directory`: where "auto" decided before for this
+    """`resolve` for a run kept in `directory`: where "autotune" decided before for this
     directory (a resumed run, or a rerun of the same command), that decision is taken
     again, so that the run trains as the recorded one did; a decision that differs from
     the recorded one is said in one line.
@@ -207,17 +210,17 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
         say: hears what a timing will cost before it runs (see `resolve`).
 
     Returns:
-        (XLA on?, why, whether it is a choice "auto" made now: `decisions.record` it as
+        (XLA on?, why, whether it is a choice "autotune" made now: `decisions.record` it as
         "jit_compile" once the run owns `directory`).
     """
     entry = decisions.recorded(directory, "jit_compile")
-    if jit_compile == "auto" and entry is not None and reuse:
+    if jit_compile == "autotune" and entry is not None and reuse:
         use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica, say)
         if use == entry["value"]:
             why = decisions.reused_reason(directory, entry)
         chosen_now = False
     else:
         use, why = resolve(steps, element_spec, jit_compile, per_replica, say)
-        chosen_now = jit_compile == "auto" and directory is not None and entry is None
+        chosen_now = jit_compile == "autotune" and directory is not None and entry is None
     decisions.say_if_different(directory, "XLA", entry, use, _show)
     return use, why, chosen_now

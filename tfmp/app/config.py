@@ -44,7 +44,7 @@ class Config:
     checkpoint_every: int = 200  # Steps between checkpoints; 0 turns checkpointing off.
     log_every: int = 10  # Steps between TensorBoard writes.
     export_dir: str | None = None
-    jit_compile: str = "auto"  # XLA: auto (measured), true or false.
+    jit_compile: str = "auto"  # XLA: auto (GPUs and TPUs: on; CPUs: off), autotune (measured), true or false.
     trial_seconds: float | None = None  # The precision trial's alternating rounds (None: autotune's default).
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
@@ -55,7 +55,7 @@ class Config:
 
 
 RESUME = ("auto", "force")
-JIT_COMPILE = {"auto": "auto", "true": True, "false": False}
+JIT_COMPILE = {"auto": "auto", "autotune": "autotune", "true": True, "false": False}
 
 
 def _positive_finite(name, value):
@@ -78,7 +78,7 @@ def validate(config):
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
     if config.jit_compile not in JIT_COMPILE:
-        raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of auto, true, false")
+        raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of {', '.join(JIT_COMPILE)}")
     if config.resume not in RESUME:
         raise UsageError(f"unknown --resume={config.resume!r}; choose one of {', '.join(RESUME)}")
     for name in ("epochs", "batch_size", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):

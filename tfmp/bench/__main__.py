@@ -33,7 +33,9 @@ flags.DEFINE_integer("batch_size", 256, "Global batch size.")
 flags.DEFINE_integer("rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.")
 flags.DEFINE_float("round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.")
 flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
-flags.DEFINE_enum("jit_compile", "auto", ["auto", "true", "false"], "tfmp.fit's jit_compile (Keras fit: its default).")
+flags.DEFINE_enum(
+    "jit_compile", "auto", ["auto", "autotune", "true", "false"], "tfmp.fit's jit_compile (Keras fit: its default)."
+)
 flags.DEFINE_integer(
     "matmul_size", None, "Square matmul size for the peak FLOP/s micro-benchmark (default: GPU 8192, CPU 2048)."
 )
@@ -101,7 +103,7 @@ def main(argv):
                 + (" (cut off)" if peak["cut_off"] else ""),
                 flush=True,
             )
-    jit = {"auto": "auto", "true": True, "false": False}[FLAGS.jit_compile]
+    jit = {"auto": "auto", "autotune": "autotune", "true": True, "false": False}[FLAGS.jit_compile]
     rows = []
     for name in FLAGS.models:
         rows += runs.bench_model(
