@@ -19,9 +19,10 @@ def test_notebook_code_runs_on_cpu(tmp_path):
     assert 'STRATEGY = "tpu"' in source and "tpu=TPU" in source
     script = tmp_path / "notebook.py"
     source = source.replace('STRATEGY = "tpu"', 'STRATEGY = "auto"', 1)
-    # On this CPU auto times float32 against bfloat16, and XLA on and off: briefly here.
+    # On a CPU with bfloat16 auto would time float32 against it: a path that depends on this
+    # CPU's speed. float32 here (auto's trial has its own tests, with injected timings).
     assert source.count('precision="auto",') == 2
-    source = source.replace('precision="auto",', 'precision="auto", trial_seconds=3, jit_compile="false",')
+    source = source.replace('precision="auto",', 'precision="float32",')
     script.write_text(source)
     env = {**os.environ, "TFMP_SKIP_INSTALL": "1", "TFMP_RUNS": str(tmp_path / "runs"), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
