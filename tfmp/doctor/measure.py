@@ -1,6 +1,5 @@
 """What the doctor measures: `diagnose`, `localize_non_finite`, `parity` (see `tfmp.doctor`)."""
 
-import contextlib
 import math
 import statistics
 
@@ -10,6 +9,17 @@ import tensorflow as tf
 
 from tfmp import float8, gradients, keras_compat, precision
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
+from tfmp.doctor.watch import (
+    BINS,
+    Session,
+    abs_values,
+    finite,
+    fraction_below,
+    log2_histogram,
+    model_loss,
+    owners,
+    relative_error,
+)
 from tfmp.errors import UsageError
 
 FLOAT16_SUBNORMAL = 2.0**-24  # The smallest positive float16: anything below flushes to zero.
@@ -17,149 +27,6 @@ FLOAT16_NORMAL = 2.0**-14  # Below this float16 is subnormal: fewer significant 
 MAX_SCALE = 2.0**24
 HEADROOM = 2.0**-3  # The recommended scale keeps the largest gradient 3 binades below 65504.
 BFLOAT16_TOLERANCE = 0.05  # Relative output error that marks a layer as bfloat16-sensitive.
-_BINS = np.arange(-100, 41)  # Integer log2 bins: a power-of-two scale shifts them exactly.
-
-
-class _Calls:
-    """What the layers' calls saw during a forward pass, per layer (an index into `layers`):
-    the largest |input| that the layer casts to its compute dtype and the largest |output|
-    over every call while `recording`; and, per pass, the layers in the order their calls
-    began and finished, with their outputs."""
-
-    def __init__(self, layers):
-        self.layers = layers
-        self._index = {id(layer): i for i, layer in enumerate(layers)}
-        self.input_max = np.zeros(len(layers))
-        self.output_max = np.zeros(len(layers))
-        self.casts = [keras_compat.casts_inputs(layer) for layer in layers]  # In the model's own policies.
-        self.float8 = set()  # Indices of the layers whose matmul inputs and outputs are kept (see `matmuls`).
-        self.matmuls = {}  # Index -> (inputs, outputs) of its last call while recording.
-        self.recording = False
-        self.new_pass()
-
-    def new_pass(self):
-        self.started, self.finished = [], []
-
-    def start(self, layer):
-        self.started.append(self._index[id(layer)])
-
-    def __call__(self, layer, args, kwargs, outputs):
-        i = self._index[id(layer)]
-        self.finished.append((i, outputs))
-        if self.recording:
-            if self.casts[i]:
-                self.input_max[i] = max(self.input_max[i], _max_abs((args, kwargs)))
-            self.output_max[i] = max(self.output_max[i], _max_abs(outputs))
-            if i in self.float8:
-                self.matmuls[i] = (args[0], outputs)
-
-    def outputs(self):
-        """Each layer's outputs in this pass (a list per layer: one item per call)."""
-        per_layer = [[] for _ in self.layers]
-        for i, outputs in self.finished:
-            per_layer[i].append(outputs)
-        return per_layer
-
-
-def _floats(structure):
-    """The floating-point tensors in a nest (not masks, flags or integer ids)."""
-    tensors = []
-    for t in tf.nest.flatten(structure, expand_composites=False):
-        if isinstance(t, tf.IndexedSlices):
-            t = t.values
-        if isinstance(t, (tf.Tensor, tf.Variable, np.ndarray)) and t.dtype in _FLOATING:
-            tensors.append(t)
-    return tensors
-
-
-_FLOATING = (tf.float16, tf.bfloat16, tf.float32, tf.float64, np.float16, np.float32, np.float64)
-
-
-def _max_abs(structure):
-    values = [np.abs(np.asarray(t, np.float64)) for t in _floats(structure)]
-    return max((float(np.nanmax(v, initial=0.0)) for v in values), default=0.0)
-
-
-def _finite(structure):
-    return all(bool(np.isfinite(np.asarray(t, np.float32)).all()) for t in _floats(structure))
-
-
-def _owners(layers):
-    """Per trainable variable (by id), the index of the innermost layer in `layers` holding it."""
-    owner = {}
-    for i, layer in enumerate(layers):  # Parents come before their children: the last one wins.
-        for v in layer.trainable_weights:
-            owner[id(v)] = i
-    return owner
-
-
-def _abs_values(tensors):
-    flat = [
-        np.abs(np.asarray(t.values if isinstance(t, tf.IndexedSlices) else t, dtype=np.float64)).ravel()
-        for t in tf.nest.flatten(tensors, expand_composites=False)
-        if t is not None
-    ]
-    return np.concatenate(flat) if flat else np.zeros(0)
-
-
-def _log2_histogram(values):
-    nonzero = values[values > 0]
-    bins = np.clip(np.floor(np.log2(nonzero)), _BINS[0], _BINS[-1]).astype(int) - _BINS[0]
-    return np.bincount(bins, minlength=len(_BINS)), int(values.size - nonzero.size)
-
-
-def _fraction_below(histogram, zeros, threshold, scale):
-    """Fraction of non-zero values v with v * scale < threshold (powers of two: exact)."""
-    total = histogram.sum()
-    if not total:
-        return 0.0
-    edge = int(math.log2(threshold / scale)) - _BINS[0]
-    return float(histogram[: max(edge, 0)].sum() / total)
-
-
-def _loss(model, y, y_pred, sample_weight):
-    compiled = keras_compat.compiled(model)[0]
-    terms = [compiled(y, y_pred, sample_weight)] if compiled is not None else []
-    terms += list(model.losses)
-    if not terms:
-        raise UsageError("diagnose needs a compiled loss (model.compile(loss=...)) or layer losses")
-    return tf.add_n([tf.cast(t, tf.float32) for t in terms])
-
-
-def _relative_error(low, ref):
-    a = np.concatenate([np.asarray(t, np.float64).ravel() for t in _floats(low)] or [np.zeros(0)])
-    b = np.concatenate([np.asarray(t, np.float64).ravel() for t in _floats(ref)] or [np.zeros(0)])
-    return float(np.linalg.norm(a - b) / (np.linalg.norm(b) + 1e-30)) if a.shape == b.shape else 0.0
-
-
-class _Session:
-    """The user's model, its layers watched and its variables put back on exit: diagnose
-    trains it in float32 for a few steps, and the model is as it was afterwards."""
-
-    def __init__(self, model):
-        self.model = model
-        self.layers = keras_compat.sublayers(model)
-        if not self.layers:
-            raise UsageError(f"diagnose found no layers in {type(model).__name__}; build it by calling it first")
-        self.calls = _Calls(self.layers)
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self):
-        saved = [(v, v.numpy()) for v in self.model.variables]
-        self._stack.callback(lambda: [v.assign(value) for v, value in saved])
-        self._stack.enter_context(keras_compat.watching_calls(self.layers, self.calls, self.calls.start))
-        return self
-
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)
-
-    def forward(self, x, policy=None, training=False):
-        """The model's prediction, every layer computing in `policy` (default: its own)."""
-        self.calls.new_pass()
-        if policy is None:
-            return self.model(x, training=training)
-        with keras_compat.policies([self.model, *self.layers], policy):
-            return self.model(x, training=training)
 
 
 def diagnose(model, data, steps=8):
@@ -180,15 +47,15 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
-    with _Session(model) as session:
+    with Session(model) as session:
         layers, calls = session.layers, session.calls
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
         inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         with model.distribute_strategy.scope():
             optimizer = inner.__class__.from_config(inner.get_config())
         variables = list(model.trainable_variables)
-        owner = _owners(layers)
-        hist = np.zeros((len(layers), len(_BINS)), dtype=np.int64)
+        owner = owners(layers)
+        hist = np.zeros((len(layers), len(BINS)), dtype=np.int64)
         zeros = np.zeros(len(layers), dtype=np.int64)
         grad_max = np.zeros(len(layers))
         bf16_error = np.zeros(len(layers))
@@ -207,10 +74,10 @@ def diagnose(model, data, steps=8):
                 ref, order = calls.outputs(), list(dict.fromkeys(calls.started))
                 session.forward(x, "mixed_bfloat16")
                 for i, (low, high) in enumerate(zip(calls.outputs(), ref, strict=True)):
-                    bf16_error[i] = _relative_error(low, high)
+                    bf16_error[i] = relative_error(low, high)
             calls.recording = True
             with keras_compat.policies([model, *layers], "float32"), tf.GradientTape() as tape:
-                loss = _loss(model, y, session.forward(x, training=True), sample_weight)
+                loss = model_loss(model, y, session.forward(x, training=True), sample_weight)
             calls.recording = False
             matmuls = sorted(calls.matmuls.items())
             grads, output_grads = tape.gradient(loss, (variables, [outputs for _, (_, outputs) in matmuls]))
@@ -222,8 +89,8 @@ def diagnose(model, data, steps=8):
             for v, g in zip(variables, grads, strict=True):
                 if g is None or id(v) not in owner:
                     continue
-                values = _abs_values(g)
-                counts, z = _log2_histogram(values)
+                values = abs_values(g)
+                counts, z = log2_histogram(values)
                 i = owner[id(v)]
                 hist[i] += counts
                 zeros[i] += z
@@ -291,10 +158,10 @@ def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, ste
                 "gradient_max_abs": grad_max[i],
                 "gradient_overflow_at_1": grad_overflow,
                 "gradient_values": int(hist[i].sum() + zeros[i]),
-                "underflow_at_1": _fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, 1.0),
-                "subnormal_at_1": _fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, 1.0),
-                "underflow_at_recommended": _fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, scale),
-                "subnormal_at_recommended": _fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, scale),
+                "underflow_at_1": fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, 1.0),
+                "subnormal_at_1": fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, 1.0),
+                "underflow_at_recommended": fraction_below(hist[i], zeros[i], FLOAT16_SUBNORMAL, scale),
+                "subnormal_at_recommended": fraction_below(hist[i], zeros[i], FLOAT16_NORMAL, scale),
                 "bfloat16_relative_error": bf16_error[i],
             }
         )
@@ -308,7 +175,7 @@ def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, ste
         recommended_loss_scale=scale,
         bfloat16_sensitive=[r["name"] for r in records if r["bfloat16_relative_error"] > BFLOAT16_TOLERANCE],
         steps=steps,
-        histogram={"log2_bins": _BINS.tolist(), "counts": hist.sum(0).tolist()},
+        histogram={"log2_bins": BINS.tolist(), "counts": hist.sum(0).tolist()},
     )
 
 
@@ -328,16 +195,16 @@ def localize_non_finite(model, batch, loss_scale=None):
             "rerun from the last checkpoint, or diagnose the model with tfmp.diagnose"
         )
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    with _Session(model) as session:
+    with Session(model) as session:
         layers = session.layers
         variables = list(model.trainable_variables)
         with tf.GradientTape() as tape:
-            loss = _loss(model, y, session.forward(x), sample_weight) * (loss_scale or 1.0)
+            loss = model_loss(model, y, session.forward(x), sample_weight) * (loss_scale or 1.0)
         finished = list(session.calls.finished)
         grads = tape.gradient(loss, variables)
     for i, outputs in finished:
         layer = layers[i]
-        if not _finite(outputs):
+        if not finite(outputs):
             name = layer.path or layer.name
             fix = (
                 f"keeping it in float32 would help (tfmp.keep_float32([{name!r}]) or --keep_float32={name})"
@@ -346,8 +213,8 @@ def localize_non_finite(model, batch, loss_scale=None):
             )
             where = f"layer {name!r} ({type(layer).__name__}, {layer.compute_dtype})"
             return f"first non-finite output: {where}; {fix}"
-    owner = _owners(layers)
-    bad = {owner.get(id(v)) for v, g in zip(variables, grads, strict=True) if g is not None and not _finite(g)}
+    owner = owners(layers)
+    bad = {owner.get(id(v)) for v, g in zip(variables, grads, strict=True) if g is not None and not finite(g)}
     for i in reversed(list(dict.fromkeys(i for i, _ in finished))):
         if i in bad:
             layer = layers[i]

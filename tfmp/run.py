@@ -1,0 +1,221 @@
+"""One call of `tfmp.fit`, once its arguments are checked and its steps compiled: the epoch
+loop, reading each update's results one update behind, callbacks, checkpoints, monitoring
+and guards."""
+
+import os
+import threading
+import typing
+
+import keras
+import tensorflow as tf
+
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import doctor, guards, inputs, loss_scale
+from tfmp.errors import Preempted, TrainingError, first_line
+from tfmp.steps import STEP_STATE
+
+PROGRESS_ENV = "TFMP_PROGRESS_FILE"  # Where tfmp.launch asks each worker to say how far it got.
+
+
+class _Update(typing.NamedTuple):
+    """A queued update: its packed outputs, the batches done in the epoch and in all once it
+    is applied, its input position, its batches and updates."""
+
+    packed: tf.Tensor
+    done: int
+    step: int
+    position: int
+    batches: int
+    updates: int
+
+
+_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+# Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
+_BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
+
+
+class Run:
+    """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
+
+    def __init__(self, model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose):
+        self.model, self.steps, self.input, self.val_input, self.saver = model, steps, train_input, val_input, saver
+        self.n = steps.grad_accum_steps
+        self.callbacks = keras.callbacks.CallbackList(
+            callbacks,
+            add_history=True,
+            add_progbar=verbose != 0,
+            verbose=verbose,
+            epochs=None,  # Set in train().
+            steps=train_input.steps,
+            model=model,
+        )
+        self.callbacks.set_params({**self.callbacks.params, "jit_compile": steps.jit_compile})
+        self.log_dir, self.log_every = log_dir, log_every
+        self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
+        self.monitor = None
+        self.step = 0  # Batches trained, over all epochs.
+
+    def _monitor(self, start_step):
+        if not self.log_dir:
+            return None
+        batch = inputs.batch_dim(self.input.element_spec)
+        if batch is not None and self.input.fn is not None:
+            batch *= self.steps.strategy.num_replicas_in_sync  # The callable's batches are per replica.
+        return tfmp_callbacks.Monitor(self.log_dir, self.steps.optimizer, batch, self.log_every, start_step=start_step)
+
+    def train(self, epoch, epochs, position, step, validation_freq, checkpoint_every):
+        """Trains from `epoch`, `position` batches into the input (a resumed run), with
+        `step` batches trained before. Returns the History."""
+        model, steps, source = self.model, self.steps, self.input
+        self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
+        offset = position - epoch * source.period if source.streamed else position
+        self.step = step
+        self.monitor = self._monitor(step)
+        iterator = source.stream(epoch * source.period + offset) if source.streamed else None
+        stop, handler = threading.Event(), guards.preemption_handler(steps.strategy, self.saver)
+        model.stop_training = False
+        self.callbacks.on_train_begin()
+        epoch_logs = {}
+        with guards.sigterm_sets(stop, self.saver is not None and handler is None):
+            while epoch < epochs and not model.stop_training:
+                model.reset_metrics()
+                self.callbacks.on_epoch_begin(epoch)
+                if not source.streamed:
+                    iterator = source.epoch(offset)
+                logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                if source.streamed and not model.stop_training:
+                    # Batches past the last whole update (a length that grad_accum_steps
+                    # does not divide) are drawn and left out: every epoch starts on time.
+                    for _ in range(source.period - done):
+                        next(iterator)
+                epoch_logs = dict(logs or steps.results())
+                if self.val_input is not None and (epoch + 1) % validation_freq == 0:
+                    self.callbacks.on_test_begin()
+                    val_logs = steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
+                    self.callbacks.on_test_end(val_logs)
+                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                epoch, offset = epoch + 1, 0
+                if self.saver is not None and not model.stop_training:
+                    self._save(epoch, epoch * source.period if source.streamed else 0)
+                self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
+        if self.monitor is not None:
+            self.monitor.flush()
+        self.callbacks.on_train_end(epoch_logs)
+        return model.history
+
+    def _train_epoch(self, iterator, epoch, offset, stop, handler, checkpoint_every):
+        """Trains one epoch from batch `offset`; returns the last logs and the batches done.
+
+        The device is never left waiting for the host: an update's outputs are read (one
+        copy) only after the next update is queued, while it runs, and the guards, the
+        monitor and the callbacks see them then. The loop waits for the update it just
+        queued only where a value is due at that point: a checkpoint, SIGTERM, the end of
+        the epoch, a stop asked for, or a callback that must see every update's end before
+        the next begins (`_reads_behind`).
+        """
+        model, steps, n = self.model, self.steps, self.n
+        k, total = steps.steps_per_execution, self.input.steps  # total None: until the input runs out.
+        behind = self._reads_behind(handler)
+        done, logs, pending = offset, None, None
+        while total is None or done < total:
+            updates = k if total is not None and total - done >= k * n else 1
+            self.callbacks.on_train_batch_begin(done)
+            try:
+                packed = steps.dispatch(iterator, updates)
+            except (tf.errors.OutOfRangeError, StopIteration):
+                break  # Unknown length: the epoch ended.
+            batches = updates * n
+            done, self.step = done + batches, self.step + batches
+            position = epoch * self.input.period + done if self.input.streamed else done
+            queued = _Update(packed, done, self.step, position, batches, updates)
+            if pending is not None:  # The update before, done or nearly: read while this one runs.
+                logs = self._finish(pending)
+            pending = queued
+            due = self.saver is not None and checkpoint_every and self.step % checkpoint_every < batches
+            due = due and not (total is not None and done >= total)  # An epoch's end saves as the next's start.
+            if behind and not (due or stop.is_set() or model.stop_training):  # (No handler when behind.)
+                continue
+            logs, pending = self._finish(pending), None
+            if handler is not None:  # Saves and raises Preempted when any worker got SIGTERM.
+                self.saver.step.assign(self.step)
+                self.saver.epoch.assign(epoch)
+                self.saver.position.assign(position)
+                handler.save_checkpoint_if_preempted(checkpoint_number=self.step)
+            if stop.is_set():
+                self._save(epoch, position)
+                raise Preempted(
+                    f"SIGTERM at batch {self.step}: checkpoint saved in {self.saver.directory}; rerun the same "
+                    "command to resume"
+                )
+            if due:
+                self._save(epoch, position)
+            if model.stop_training:
+                break
+        if pending is not None:
+            logs = self._finish(pending)
+        return logs, done
+
+    def _reads_behind(self, handler):
+        """Whether an update's end may be handled after the next update is queued: not for
+        multi-worker preemption (whose checkpoint must hold exactly the updates it counts),
+        nor for a callback with batch hooks of its own, which may change the model or the
+        optimizer between two updates, as under `model.fit` (unless it says `async_safe`,
+        as Keras lets a callback say)."""
+        if handler is not None:
+            return False
+        for callback in self.callbacks.callbacks:
+            if getattr(callback, "async_safe", False) or isinstance(callback, _BEHIND_SAFE):
+                continue
+            if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in _HOOKS):
+                return False
+        return True
+
+    def _finish(self, update):
+        """An update's end: one read of its outputs, the guards, the monitor, the callbacks."""
+        out = self.steps.read(update.packed)
+        if self.progress_path:
+            with open(self.progress_path, "w") as f:
+                f.write(str(update.step))
+        logs = self._logs(out)
+        if self.monitor is not None:
+            self.monitor.record(update.step, {**out, **logs, "steps": update.batches, "updates": update.updates})
+        message = tfmp_callbacks.non_finite_message(
+            out["step_loss"],
+            self.steps.optimizer,
+            self.model,
+            self.steps.first_non_finite_gradient(out["finite"]),
+            update.step,
+            loss_scale=float(out["loss_scale"]) if self.steps.scaled else None,
+        )
+        if message:
+            replay = self._replay(update.position - update.batches)
+            raise TrainingError(f"{message}. Replay of the failing batch: {replay}")
+        self.callbacks.on_train_batch_end(update.done - 1, logs)
+        return logs
+
+    def _replay(self, position):
+        """Where the non-finite values of the update that began at `position` came from."""
+        source = self.input
+        try:
+            ds = source.data if source.fn is None else source.fn(tf.distribute.InputContext())
+            ds = (ds.repeat() if source.streamed else ds).skip(position).take(1)
+            scale = loss_scale.loss_scale_of(self.steps.optimizer)
+            return doctor.localize_non_finite(self.model, next(iter(ds)), scale)
+        except Exception as e:  # noqa: BLE001 - a diagnosis must not hide the error it explains.
+            return f"not possible ({type(e).__name__}: {first_line(e, 120, default='')})"
+
+    def _logs(self, out):
+        """What callbacks see after a call: the model's metrics (running means over the
+        epoch), and the loss scale where there is one."""
+        logs = {key: float(value) for key, value in out.items() if key not in STEP_STATE}
+        if self.steps.scaled:
+            logs["loss_scale"] = float(out["loss_scale"])
+        return logs
+
+    def _save(self, epoch, position):
+        culprit = tfmp_callbacks.first_non_finite(self.model.weights)
+        if culprit:  # Never let a non-finite state become the latest checkpoint.
+            raise TrainingError(f"non-finite weight {culprit} at batch {self.step}; not checkpointed, training stopped")
+        self.saver.save(self.step, epoch, position)
+        if self.monitor is not None:
+            self.monitor.flush()
