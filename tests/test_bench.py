@@ -9,7 +9,7 @@ import sys
 
 from conftest import REPO
 
-from tfmp.bench import micro, runs
+from tfmp.bench import micro, pool, runs, tables
 
 
 def test_bench_writes_figures(tmp_path):
@@ -76,7 +76,7 @@ def test_every_policy_gets_every_round_even_past_its_share_of_time():
     (row,) = runs.bench_model("cnn", ["float32"], 16, rounds=2, round_seconds=0.0, max_steps=3, peaks=peaks)
     assert len(row["rounds"]) == len(row["keras_fit_rounds"]) == 2
     assert row["steps_timed"] == 2 and min(row["rounds"] + row["keras_fit_rounds"]) > 0
-    assert "cnn" in runs.table([row])
+    assert "cnn" in tables.table([row])
 
 
 def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):
@@ -88,15 +88,15 @@ def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):
 def test_update_times_keras_against_fused():
     update = micro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
-    assert "| resnet50 | 25.6M |" in runs.markdown({"rows": [], "updates": [update]})
+    assert "| resnet50 | 25.6M |" in tables.markdown({"rows": [], "updates": [update]})
 
 
 def test_autotune_picks_carry_the_rounds_own_error():
     pick = {"policy": "float32", "vs_fastest": 1 / 1.12, "vs_fastest_error": 0.04, "seconds": 30.0}
     choices = [{"model": "lstm", "fastest": "mixed_bfloat16", "fastest_error": 0.04, "picks": [pick]}]
-    text = runs.markdown({"rows": [], "choices": choices})
+    text = tables.markdown({"rows": [], "choices": choices})
     assert "| lstm | mixed_bfloat16 | float32 (89.3% ±4.0, 30 s) |" in text
-    assert runs.share_text({**pick, "vs_fastest_error": None}) == "89.3%"
+    assert tables.share_text({**pick, "vs_fastest_error": None}) == "89.3%"
 
 
 def test_versus_keras_pools_the_rows_without_xla():
@@ -105,15 +105,14 @@ def test_versus_keras_pools_the_rows_without_xla():
                 "jit_compile": {"tfmp": xla, "keras": False}}  # fmt: skip
 
     rows = [row("a", 0.99, 0.01), row("b", 1.01, 0.01), row("c", 0.9, 0.01), row("d", 2.0, 0.01, xla=True)]
-    summary = runs.versus_keras(rows)
+    summary = tables.versus_keras(rows)
     assert summary["rows"] == 3 and summary["slower"] == ["m c"]  # 0.99 +- 0.01 is within two errors.
     assert abs(summary["ratio"] - (0.99 * 1.01 * 0.9) ** (1 / 3)) < 1e-9
     assert abs(summary["error"] - 0.03**0.5 / 3 * 0.1) < 1e-9
-    assert "rows slower beyond two standard errors: m c" in runs.versus_keras_text(summary)
+    assert "rows slower beyond two standard errors: m c" in tables.versus_keras_text(summary)
 
 
 def test_benchpool_pools_the_rounds_of_several_runs(tmp_path, capsys):
-    from tfmp.bench import pool
 
     def run(ours, theirs, device="cpu"):
         row = {"model": "m", "policy": "float32", "rounds": ours, "keras_fit_rounds": theirs,

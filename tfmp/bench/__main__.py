@@ -19,7 +19,7 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tfmp import files, precision  # noqa: E402
-from tfmp.bench import measure, micro, runs  # noqa: E402
+from tfmp.bench import measure, micro, runs, tables  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -57,7 +57,7 @@ flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png g
 def _print_choices(choices):
     for c in choices:
         picks = ", ".join(
-            f"{p['policy']} ({runs.share_text(p)} of the fastest, {p['seconds']:.0f} s: "
+            f"{p['policy']} ({tables.share_text(p)} of the fastest, {p['seconds']:.0f} s: "
             f"{p['warm_up_seconds']:.0f} s warm-up, {p['rounds_seconds']:.0f} s rounds)"
             for p in c["picks"]
         )
@@ -109,7 +109,7 @@ def main(argv):
         rows += runs.bench_model(
             name, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
-        print(runs.table([r for r in rows if r["model"] == name]), flush=True)
+        print(tables.table([r for r in rows if r["model"] == name]), flush=True)
     bundled = [n for n in FLAGS.models if n in runs.models.MODELS]
     choices = (
         runs.policy_choices(rows, bundled, FLAGS.policies, FLAGS.batch_size, FLAGS.autotune_runs, FLAGS.trial_seconds)
@@ -124,11 +124,11 @@ def main(argv):
     elif FLAGS.sparse_vocab:
         print("sparse check skipped: one replica has nothing to all-reduce (--sparse_replicas=2 times it)")
     print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
-    summary = runs.versus_keras(rows)
+    summary = tables.versus_keras(rows)
     if rows:
-        print(runs.table(rows))
+        print(tables.table(rows))
     if summary:
-        print(runs.versus_keras_text(summary))
+        print(tables.versus_keras_text(summary))
     _print_choices(choices)
     for u in updates:
         print(
@@ -163,9 +163,9 @@ def main(argv):
     }
     files.write_json(os.path.join(FLAGS.output_dir, "bench.json"), result)
     with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
-        f.write(runs.markdown(result) + "\n")
+        f.write(tables.markdown(result) + "\n")
     if rows:
-        runs.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
+        tables.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
     print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
 
 

@@ -14,7 +14,8 @@ import tensorflow as tf
 from tfmp import fused, loop, steps, timing
 from tfmp.app import models
 from tfmp.bench import realsize
-from tfmp.bench.runs import TRAINERS, FitRunner
+from tfmp.bench.runs import FitRunner
+from tfmp.bench.tables import TRAINERS
 
 
 def _calls_per_second(fn, calls):
