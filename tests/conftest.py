@@ -1,12 +1,16 @@
 """Test set-up: two logical CPU devices (for real 2-replica strategies) and a clean policy."""
 
+import json
 import os
+import socket
+import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -69,3 +73,106 @@ def mirrored():
     same start, and two strategies over the same devices in one process collide.
     """
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+# Helpers the test files share (import them from conftest).
+
+
+def seeded(build):
+    """`build`, seeded and built in a strategy's scope (default: the current one)."""
+
+    def wrapped(strategy=None):
+        keras.utils.set_random_seed(0)
+        with (strategy or tf.distribute.get_strategy()).scope():
+            return build()
+
+    return wrapped
+
+
+@seeded
+def regression():
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    return model
+
+
+def regression_data(batch=32, n=256, drop_remainder=False):
+    rng = np.random.default_rng(1)
+    x = rng.random((n, 8), dtype=np.float32)
+    y = (x @ np.arange(8, dtype=np.float32))[:, None]
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=drop_remainder)
+
+
+def weights(model):
+    return [w.numpy() for w in model.weights]
+
+
+def assert_same(a, b, atol=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
+
+
+def free_ports(n):
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_workers(args_for, n=2, cwd=REPO):
+    """Starts n worker processes of one cluster on 127.0.0.1; returns them."""
+    workers = [f"127.0.0.1:{p}" for p in free_ports(n)]
+    processes = []
+    for index in range(n):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, *args_for(index)],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return processes
+
+
+def wait_all(processes, timeout=300):
+    results = []
+    try:
+        for p in processes:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in processes:
+            p.kill()
+    return results
+
+
+class Poison(keras.layers.Layer):
+    """Multiplies its input by `factor` during training calls number `first` to `last`."""
+
+    def __init__(self, factor, first, last=10**9, **kwargs):
+        super().__init__(**kwargs)
+        self.factor, self.first, self.last = factor, first, last
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False, name="calls")
+
+    def call(self, x, training=False):
+        if training:
+            self.calls.assign_add(1)
+        bad = tf.logical_and(self.calls >= self.first, self.calls <= self.last)
+        return x * tf.cast(tf.where(bad, self.factor, 1.0), x.dtype)

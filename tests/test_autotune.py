@@ -7,7 +7,7 @@ import json
 
 import keras
 import pytest
-from test_monitor import Poison
+from conftest import Poison
 
 from tfmp import timing
 from tfmp.app import models, training

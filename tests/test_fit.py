@@ -6,34 +6,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
+from conftest import assert_same, regression, regression_data, seeded, weights
 
 import tfmp
 from tfmp.errors import UsageError
 
 
-def _seeded(build):
-    def wrapped(strategy=None):
-        keras.utils.set_random_seed(0)
-        with (strategy or tf.distribute.get_strategy()).scope():
-            return build()
-
-    return wrapped
-
-
-@_seeded
-def regression():
-    model = keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-3)),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
-    return model
-
-
-@_seeded
+@seeded
 def two_outputs():
     features = keras.Input((8,), name="features")
     hidden = keras.layers.Dense(16, activation="relu")(features)
@@ -65,18 +44,11 @@ def huber_ish(y_true, y_pred):
     return tf.reduce_mean(tf.sqrt(1.0 + tf.square(error)) - 1.0, axis=-1)
 
 
-@_seeded
+@seeded
 def custom_loss():
     model = keras.Sequential([keras.Input((8,)), Scale(), keras.layers.Dense(4), keras.layers.Dense(1)])
     model.compile(keras.optimizers.RMSprop(1e-2), loss=huber_ish)
     return model
-
-
-def regression_data(batch=32, n=256, drop_remainder=False):
-    rng = np.random.default_rng(1)
-    x = rng.random((n, 8), dtype=np.float32)
-    y = (x @ np.arange(8, dtype=np.float32))[:, None]
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=drop_remainder)
 
 
 def two_output_data(batch=32, n=256):
@@ -92,16 +64,6 @@ KINDS = {
     "two_outputs": (two_outputs, two_output_data),
     "custom_loss": (custom_loss, regression_data),
 }
-
-
-def weights(model):
-    return [w.numpy() for w in model.weights]
-
-
-def assert_same(a, b, atol=1e-5):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

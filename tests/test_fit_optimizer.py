@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
-from test_fit import _seeded, assert_same, regression, regression_data, weights
+from conftest import assert_same, regression, regression_data, seeded, weights
 
 import tfmp
 
 
 def test_float16_layers_under_float32_policy_get_tfmp_loss_scaling():
-    @_seeded
+    @seeded
     def half_model():
         inputs = keras.Input((8,))
         hidden = keras.layers.Dense(16, dtype="mixed_float16")(inputs)

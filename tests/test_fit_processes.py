@@ -9,8 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
-from test_loop import assert_same, start_workers, wait_all
+from conftest import REPO, assert_same, start_workers, wait_all
 
 pytestmark = pytest.mark.slow  # Several train.py / worker processes.
 

@@ -5,7 +5,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_fit import _seeded
+from conftest import seeded
 
 import tfmp
 from tfmp import fused, loop
@@ -25,7 +25,7 @@ KERNELS = {"ResourceApplyAdam", "ResourceApplyKerasMomentum", "ResourceApplyGrad
 
 
 def _model(optimizer, strategy=None):
-    @_seeded
+    @seeded
     def build():
         tokens = keras.Input((4,), dtype="int32")
         hidden = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 8)(tokens))  # Sparse gradient.

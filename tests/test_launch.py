@@ -10,8 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO
-from test_loop import assert_same
+from conftest import REPO, assert_same
 
 from tfmp import launch
 

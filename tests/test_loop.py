@@ -4,9 +4,6 @@ gradient accumulation; clipping over all-reduced gradients; overflow on one repl
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import keras
@@ -14,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
-from conftest import REPO
+from conftest import REPO, assert_same, start_workers, wait_all
 
 from tfmp import inputs, loop
 from tfmp.steps import Steps
@@ -32,15 +29,6 @@ def init():
 @pytest.fixture(scope="module")
 def one_replica(init):
     return tiny.train(tf.distribute.get_strategy(), init, STEPS, BATCH)[0]
-
-
-def assert_same(a, b, atol=1e-5):
-    """Equal up to float32 summation order (Adam divides tiny gradient differences by tiny
-    second moments, so 1e-6 drifts are expected after a few steps; real bugs move weights by
-    1e-3 and more)."""
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
 def test_training_moves_weights(init, one_replica):
@@ -91,48 +79,6 @@ def test_overflow_on_one_replica_skips_everywhere(mirrored, bad_replica):
     runner.train(iterator)
     assert int(optimizer.iterations.numpy()) == 2 and float(optimizer.learning_rate) < lr_before
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
-
-
-def _free_ports(n):
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def start_workers(args_for, n=2, cwd=REPO):
-    """Starts n worker processes of one cluster on 127.0.0.1; returns them."""
-    workers = [f"127.0.0.1:{p}" for p in _free_ports(n)]
-    processes = []
-    for index in range(n):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
-        processes.append(
-            subprocess.Popen(
-                [sys.executable, *args_for(index)],
-                cwd=cwd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return processes
-
-
-def wait_all(processes, timeout=300):
-    results = []
-    try:
-        for p in processes:
-            out, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, out, err))
-    finally:
-        for p in processes:
-            p.kill()
-    return results
 
 
 def test_two_worker_processes_match_one_replica(tmp_path, init, one_replica):

@@ -7,28 +7,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import Poison
 
 from tfmp import checkpoint
 from tfmp.app import models, training
 from tfmp.errors import TrainingError
 from tfmp.heads import classification_head
-
-
-class Poison(keras.layers.Layer):
-    """Multiplies its input by `factor` during training calls number `first` to `last`."""
-
-    def __init__(self, factor, first, last=10**9, **kwargs):
-        super().__init__(**kwargs)
-        self.factor, self.first, self.last = factor, first, last
-
-    def build(self, input_shape):
-        self.calls = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False, name="calls")
-
-    def call(self, x, training=False):
-        if training:
-            self.calls.assign_add(1)
-        bad = tf.logical_and(self.calls >= self.first, self.calls <= self.last)
-        return x * tf.cast(tf.where(bad, self.factor, 1.0), x.dtype)
 
 
 def poisoned(factor, first, last=10**9):

@@ -18,8 +18,9 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import callbacks, files, inputs, loop, loss_scale, precision, timing
+from tfmp import callbacks, decisions, distribute, files, inputs, loop, loss_scale, precision, timing
 from tfmp.app import models
+from tfmp.errors import UsageError
 from tfmp.precision import Decision
 
 CANDIDATES = ("float32", "mixed_bfloat16", "mixed_float16")
@@ -145,6 +146,57 @@ def autotune(key, build_model, ds, strategy, global_batch, cache_dir, candidates
     logging.info("Autotune chose %s", chosen)
     how = f"autotune, measured now: {verdict.reason}"
     return Decision(chosen, f"{how}\n{table(rows, chosen)}", precision.resolve_policy(chosen).warning)
+
+
+# What train.py's --precision=auto | autotune decides, and when it is decided.
+
+
+def before_data(config, model_dir, one_host):
+    """(the decision, or None where a timed trial on the model decides it; the policies
+    that trial times, if any; the decision recorded for --model_dir, if any).
+
+    What "auto" or "autotune" decided for this --model_dir before is taken again, on one
+    host (several must all decide alike)."""
+    recorded = decisions.recorded(model_dir, "precision")
+    reuse = recorded if one_host and config.precision in ("auto", precision.AUTOTUNE) else None
+    if reuse:
+        decision = precision.resolve_policy(reuse["value"])._replace(reason=decisions.reused_reason(model_dir, reuse))
+    else:
+        trial = precision.auto_trial_candidates() if config.precision == "auto" else None
+        if config.precision == precision.AUTOTUNE or trial:
+            return None, trial, recorded
+        decision = precision.resolve_policy(config.precision)
+    precision.apply_policy(decision)
+    return decision, None, recorded
+
+
+def by_trial(config, trial, build_model, ds, strategy, plan, model_dir, say):
+    """The policy a timed trial on the model picks (autotune, or auto on a bfloat16 CPU), applied."""
+    if plan.workers > 1 and not trial:
+        raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
+    if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
+        decision = precision.resolve_policy("auto")
+    else:
+        key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
+        candidates = {"candidates": trial} if trial else {}
+        decision = autotune(
+            key,
+            build_model,
+            ds,
+            strategy,
+            plan.global_batch,
+            model_dir,
+            budget_seconds=config.trial_seconds,
+            say=say,
+            **candidates,
+        )
+        if trial:
+            how = decision.reason[len("autotune, ") :]
+            decision = decision._replace(
+                reason=f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
+            )
+    precision.apply_policy(decision)
+    return decision
 
 
 # Without tf.data's autotuning, whose thread made deleting an iterator that had run for the

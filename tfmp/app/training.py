@@ -81,6 +81,60 @@ def train_and_evaluate(config, out=sys.stdout):
         return _train_and_evaluate(config, out, cleanup)
 
 
+class _Run:
+    """What a run settled before building the model: strategy, where it writes, the batch
+    split, data, epoch length, resume point and precision."""
+
+    def __init__(self, config, cleanup):
+        self.entry = models.MODELS[config.model]
+        # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
+        # starts its runtime, which listing devices for the precision choice would do.
+        self.strategy = strategy = distribute.get_strategy(config.strategy, config.tpu)
+        # 2. Seed.
+        seed.set_seed(config.seed, config.deterministic)
+        # 3. Precision: decided once, here; everything after reads the global policy (a
+        # timed trial needs the data and the model: `decide_precision`).
+        self.chief = distribute.is_chief(strategy)
+        # Only the chief writes to --model_dir; other workers write to a temporary place.
+        self.model_dir = config.model_dir if self.chief else tempfile.mkdtemp(prefix="tfmp-worker-")
+        one_host = distribute.num_workers(strategy) == 1
+        self.decision, self.trial, self.recorded = autotune.before_data(config, self.model_dir, one_host)
+        # 4. The batch split.
+        self.plan = plan = distribute.plan_batch(
+            config.batch_size,
+            strategy.num_replicas_in_sync,
+            config.learning_rate,
+            config.lr_scaling,
+            config.base_batch_size,
+            grad_accum_steps=config.grad_accum_steps,
+            workers=distribute.num_workers(strategy),
+        )
+        # 5. Data, in global batches; every grad_accum_steps of them make one update.
+        self.dataset, self.ds = _load_data(config, self.entry, plan, strategy)
+        self.steps = _steps_per_epoch(config, self.ds, plan)
+        _check_batch_memory(plan, self.ds.source, config)
+        self.checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
+        latest = checkpoint.latest(self.checkpoint_dir)
+        self.start = checkpoint.step_of(latest)
+        # Everything checked: from here on the run writes, and owns --model_dir while it does.
+        if self.chief:
+            cleanup.enter_context(checkpoint.RunLock(config.model_dir))
+        settings = _settings(config, self.dataset, plan, strategy, self.steps)
+        checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
+        if self.chief:
+            checkpoint.save_settings(config.model_dir, settings)
+
+    def decide_precision(self, config, build_model, say):
+        """The precision, decided (by a trial on the model where needed) and recorded."""
+        if self.decision is None:  # Timed on the model itself.
+            self.decision = autotune.by_trial(
+                config, self.trial, build_model, self.ds, self.strategy, self.plan, self.model_dir, say
+            )
+        decisions.say_if_different(self.model_dir, "precision", self.recorded, self.decision.policy)
+        if self.chief and self.recorded is None and config.precision in ("auto", precision.AUTOTUNE):
+            decisions.record(self.model_dir, "precision", self.decision.policy, self.decision.reason)
+
+
 def _train_and_evaluate(config, out, cleanup):
     """Trains `config.model` (or resumes it), evaluates it, and writes the run's files.
 
@@ -101,89 +155,55 @@ def _train_and_evaluate(config, out, cleanup):
         Preempted: SIGTERM arrived; a checkpoint was saved.
     """
     validate(config)
-    entry = models.MODELS[config.model]
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
-
-    # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
-    # starts its runtime, which listing devices for the precision choice would do.
-    strategy = distribute.get_strategy(config.strategy, config.tpu)
-    # 2. Seed.
-    seed.set_seed(config.seed, config.deterministic)
-    # 3. Precision: decided once, here; everything after reads the global policy (a timed
-    # trial needs the data and the model: step 5).
-    chief = distribute.is_chief(strategy)
-    # Only the chief writes to --model_dir; other workers write to a temporary place.
-    model_dir = config.model_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
-    one_host = distribute.num_workers(strategy) == 1
-    decision, trial, recorded = _precision_before_data(config, model_dir, one_host)
-    # 4. The batch split.
-    plan = distribute.plan_batch(
-        config.batch_size,
-        strategy.num_replicas_in_sync,
-        config.learning_rate,
-        config.lr_scaling,
-        config.base_batch_size,
-        grad_accum_steps=config.grad_accum_steps,
-        workers=distribute.num_workers(strategy),
-    )
-    # 5. Data, in global batches; every grad_accum_steps of them make one update.
-    dataset, ds = _load_data(config, entry, plan, strategy)
-    steps = _steps_per_epoch(config, ds, plan)
-    _check_batch_memory(plan, ds.source, config)
-    checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
-    latest = checkpoint.latest(checkpoint_dir)
-    start = checkpoint.step_of(latest)
-    # Everything checked: from here on the run writes, and owns --model_dir while it does.
-    if chief:
-        cleanup.enter_context(checkpoint.RunLock(config.model_dir))
-    settings = _settings(config, dataset, plan, strategy, steps)
-    checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
-    if chief:
-        checkpoint.save_settings(config.model_dir, settings)
-    build_model = _model_builder(config, entry, ds)
+    run = _Run(config, cleanup)  # Steps 1-5: strategy, seed, precision, batch split, data.
+    build_model = _model_builder(config, run.entry, run.ds)
     if config.diagnose:
-        return _diagnose(config, build_model, strategy, ds, out)
-    if decision is None:  # Timed on the model itself.
-        decision = _precision_by_trial(config, trial, build_model, ds, strategy, plan, model_dir, say)
-    decisions.say_if_different(model_dir, "precision", recorded, decision.policy)
-    if chief and recorded is None and config.precision in ("auto", precision.AUTOTUNE):
-        decisions.record(model_dir, "precision", decision.policy, decision.reason)
+        return _diagnose(config, build_model, run.strategy, run.ds, out)
+    run.decide_precision(config, build_model, say)
     # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
     # first: a precision trial (measured, cached or none) must not change the weights.
     seed.set_seed(config.seed, config.deterministic)
-    with strategy.scope():
+    with run.strategy.scope():
         model = build_model()
         optimizer = loss_scale.wrap_optimizer(
-            keras.optimizers.Adam(plan.learning_rate), config.loss_scale_initial, config.loss_scale_growth_steps
+            keras.optimizers.Adam(run.plan.learning_rate), config.loss_scale_initial, config.loss_scale_growth_steps
         )
         models.compile(model, optimizer)
     problems = audit(model)
     if problems:
         logging.warning("Low-precision outputs: %s", "; ".join(problems))
-    # The summary prints as training begins, with what tfmp.fit decided (XLA).
-    summary = report.Summary(say, config, decision, strategy, plan, ds.source, model, steps, start)
-    # 7. Train (resuming from the latest checkpoint); 8. evaluate on every test example.
-    rate, seconds, test, params = _train_and_test(
-        config, model, (dataset, ds), strategy, plan, steps, (checkpoint_dir, model_dir), summary, out
+    # 7. Train with tfmp.fit (resuming from the latest checkpoint; the summary prints as
+    # training begins, with what fit decided), 8. evaluate on every test example.
+    summary = report.Summary(
+        say, config, run.decision, run.strategy, run.plan, run.ds.source, model, run.steps, run.start
     )
+    fitted = _train_and_test(config, run, model, summary, out)
     # 9. Record: metrics.json, training.png; export.
-    history_path = os.path.join(model_dir, "history.csv")
+    return _record(config, run, model, fitted, say)
+
+
+def _record(config, run, model, fitted, say):
+    """Writes metrics.json (and training.png, the export) and prints the final line."""
+    rate, seconds, test, params = fitted
+    ds, optimizer = run.ds, model.optimizer
+    history_path = os.path.join(run.model_dir, "history.csv")
     metrics = {
         "model": config.model,
         "dataset": ds.source.name,
         "test_split": ds.source.test_split,
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
-        "policy": decision.policy,
-        "policy_reason": decision.reason,
+        "policy": run.decision.policy,
+        "policy_reason": run.decision.reason,
         "jit_compile": params["jit_compile"],
         "jit_compile_reason": params["jit_compile_reason"],
-        **_plan_metrics(strategy, plan),
+        **_plan_metrics(run.strategy, run.plan),
         "examples_per_second": rate,
         "train_seconds": seconds,
         "epochs": config.epochs,
-        "steps_per_epoch": steps,
-        "resumed_from_step": start,
+        "steps_per_epoch": run.steps,
+        "resumed_from_step": run.start,
         "steps": int(optimizer.iterations.numpy()),
         "skipped_steps": callbacks.skipped_steps(history_path),
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
@@ -192,64 +212,16 @@ def _train_and_evaluate(config, out, cleanup):
         "weights_sha256": report.weights_fingerprint(model),
     }
     if os.path.exists(history_path):
-        metrics["plot"] = report.plot_history(history_path, os.path.join(model_dir, "training.png"))
-    if config.export_dir and chief:
-        metrics["export"] = _export(config, entry, model, ds)
-    path = os.path.join(model_dir, "metrics.json")
+        metrics["plot"] = report.plot_history(history_path, os.path.join(run.model_dir, "training.png"))
+    if config.export_dir and run.chief:
+        metrics["export"] = _export(config, run.entry, model, ds)
+    path = os.path.join(run.model_dir, "metrics.json")
     files.write_json(path, metrics)
     say(
         f"test accuracy {test['accuracy']:.4f}  test loss {test['loss']:.4f}  ({rate:,.0f} train examples/s; "
         f"{metrics['skipped_steps']} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})"
     )
     return metrics
-
-
-def _precision_before_data(config, model_dir, one_host):
-    """(the decision, or None where a timed trial on the model decides it; the policies
-    that trial times, if any; the decision recorded for --model_dir, if any).
-
-    What "auto" or "autotune" decided for this --model_dir before is taken again, on one
-    host (several must all decide alike)."""
-    recorded = decisions.recorded(model_dir, "precision")
-    reuse = recorded if one_host and config.precision in ("auto", precision.AUTOTUNE) else None
-    if reuse:
-        decision = precision.resolve_policy(reuse["value"])._replace(reason=decisions.reused_reason(model_dir, reuse))
-    else:
-        trial = precision.auto_trial_candidates() if config.precision == "auto" else None
-        if config.precision == precision.AUTOTUNE or trial:
-            return None, trial, recorded
-        decision = precision.resolve_policy(config.precision)
-    precision.apply_policy(decision)
-    return decision, None, recorded
-
-
-def _precision_by_trial(config, trial, build_model, ds, strategy, plan, model_dir, say):
-    """The policy a timed trial on the model picks (autotune, or auto on a bfloat16 CPU), applied."""
-    if plan.workers > 1 and not trial:
-        raise UsageError("--precision=autotune times one host; on several workers pick a policy or use auto")
-    if trial and plan.workers > 1:  # Workers could measure differently: keep the hardware rule.
-        decision = precision.resolve_policy("auto")
-    else:
-        key = f"{config.model}|{ds.source.name}|batch={plan.effective_batch}|{distribute.strategy_name(strategy)}"
-        candidates = {"candidates": trial} if trial else {}
-        decision = autotune.autotune(
-            key,
-            build_model,
-            ds,
-            strategy,
-            plan.global_batch,
-            model_dir,
-            budget_seconds=config.trial_seconds,
-            say=say,
-            **candidates,
-        )
-        if trial:
-            how = decision.reason[len("autotune, ") :]
-            decision = decision._replace(
-                reason=f"auto: CPU with bfloat16 support, whose gain depends on the model; {how}"
-            )
-    precision.apply_policy(decision)
-    return decision
 
 
 def _load_data(config, entry, plan, strategy):
@@ -309,12 +281,10 @@ def _model_builder(config, entry, ds):
     return build_model
 
 
-def _train_and_test(config, model, data_, strategy, plan, steps, dirs, summary, out):
+def _train_and_test(config, run, model, summary, out):
     """Trains with tfmp.fit (resuming from the latest checkpoint) and evaluates on every
-    test example of `data_` ((its name, its `Data`)); `dirs` is (checkpoint_dir, the run's
-    directory). Returns (train examples/s, train seconds, the test metrics, fit's params)."""
-    dataset, ds = data_
-    checkpoint_dir, model_dir = dirs
+    test example; returns (train examples/s, train seconds, the test metrics, fit's params)."""
+    dataset, ds, plan, strategy = run.dataset, run.ds, run.plan, run.strategy
     verbose = config.verbose if config.verbose is not None else (1 if out.isatty() else 2)
     calls = plan.effective_batch * config.steps_per_execution  # Examples per compiled call.
     throughput = callbacks.Throughput(calls, max(1, config.warmup_steps // config.steps_per_execution))
@@ -324,15 +294,15 @@ def _train_and_test(config, model, data_, strategy, plan, steps, dirs, summary, 
             model,
             ds.make_train,  # Per-worker input: each worker reads its own shard.
             epochs=config.epochs,
-            steps_per_epoch=steps * plan.grad_accum_steps,
+            steps_per_epoch=run.steps * plan.grad_accum_steps,
             callbacks=[summary, throughput],
             strategy=strategy,
             grad_accum_steps=plan.grad_accum_steps,
             clipnorm=config.clipnorm,
             steps_per_execution=config.steps_per_execution,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=run.checkpoint_dir,
             checkpoint_every=config.checkpoint_every,
-            log_dir=model_dir,  # Its decisions.json keeps fit's XLA choice beside the precision one.
+            log_dir=run.model_dir,  # Its decisions.json keeps fit's XLA choice beside the precision one.
             log_every=config.log_every,
             jit_compile=JIT_COMPILE[config.jit_compile],
             verbose=verbose,

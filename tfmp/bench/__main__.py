@@ -77,17 +77,8 @@ def _sparse_strategy(replicas):
     return tf.distribute.MirroredStrategy(devices)
 
 
-def main(argv):
-    del argv
-    unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
-    if unknown:
-        choices = ", ".join(precision.POLICIES[1:])
-        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
-        sys.exit(2)
-    os.makedirs(FLAGS.output_dir, exist_ok=True)
-    strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
-    device = precision.device_name()
-    print(f"device: {device}", flush=True)
+def _peaks():
+    """This machine's matmul and conv peaks per policy, printed as they are measured."""
     sizes = measure.peak_sizes()
     n, conv = FLAGS.matmul_size or sizes["matmul"], sizes["conv"]
     labels = {
@@ -103,6 +94,51 @@ def main(argv):
                 + (" (cut off)" if peak["cut_off"] else ""),
                 flush=True,
             )
+    return peaks
+
+
+def _print_micro(updates, overhead, sparse):
+    """The micro-benchmarks' lines: Adam update, the loop's cost per step, sparse gradients."""
+    for u in updates:
+        print(
+            f"Adam update, {u['model']} ({u['parameters'] / 1e6:.1f}M float32 weights): Keras {u['keras_ms']:.1f} ms, "
+            f"tfmp fused {u['fused_ms']:.1f} ms"
+        )
+    if overhead:
+        print(
+            f"training loop's cost per step (MLP, batch 32): tfmp.fit {overhead['tfmp_ms']:.2f} ms, "
+            f"Keras fit {overhead['keras_ms']:.2f} ms"
+        )
+    for s in sparse:
+        print(
+            f"transformer step, vocabulary {s['vocab_size']:,}, {s['replicas']} replicas: embedding gradient "
+            f"dense {s['dense_ms']:.1f} ms, "
+            f"sparse {s['sparse_ms']:.1f} ms ({s['speedup']:.2f}x)"
+        )
+
+
+def _write(result, rows):
+    """bench.json, bench.md (README tables) and bench.png in --output_dir."""
+    files.write_json(os.path.join(FLAGS.output_dir, "bench.json"), result)
+    with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
+        f.write(tables.markdown(result) + "\n")
+    if rows:
+        tables.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
+    print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
+
+
+def main(argv):
+    del argv
+    unknown = [p for p in FLAGS.policies if p not in precision.POLICIES or p == "auto"]
+    if unknown:
+        choices = ", ".join(precision.POLICIES[1:])
+        print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
+        sys.exit(2)
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
+    device = precision.device_name()
+    print(f"device: {device}", flush=True)
+    peaks = _peaks()
     jit = {"auto": "auto", "autotune": "autotune", "true": True, "false": False}[FLAGS.jit_compile]
     rows = []
     for name in FLAGS.models:
@@ -130,22 +166,7 @@ def main(argv):
     if summary:
         print(tables.versus_keras_text(summary))
     _print_choices(choices)
-    for u in updates:
-        print(
-            f"Adam update, {u['model']} ({u['parameters'] / 1e6:.1f}M float32 weights): Keras {u['keras_ms']:.1f} ms, "
-            f"tfmp fused {u['fused_ms']:.1f} ms"
-        )
-    if overhead:
-        print(
-            f"training loop's cost per step (MLP, batch 32): tfmp.fit {overhead['tfmp_ms']:.2f} ms, "
-            f"Keras fit {overhead['keras_ms']:.2f} ms"
-        )
-    for s in sparse:
-        print(
-            f"transformer step, vocabulary {s['vocab_size']:,}, {s['replicas']} replicas: embedding gradient "
-            f"dense {s['dense_ms']:.1f} ms, "
-            f"sparse {s['sparse_ms']:.1f} ms ({s['speedup']:.2f}x)"
-        )
+    _print_micro(updates, overhead, sparse)
     result = {
         "device": device,
         "batch_size": FLAGS.batch_size,
@@ -161,12 +182,7 @@ def main(argv):
         "updates": updates,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    files.write_json(os.path.join(FLAGS.output_dir, "bench.json"), result)
-    with open(os.path.join(FLAGS.output_dir, "bench.md"), "w") as f:
-        f.write(tables.markdown(result) + "\n")
-    if rows:
-        tables.plot(rows, os.path.join(FLAGS.output_dir, "bench.png"))
-    print(f"wrote {FLAGS.output_dir}/bench.json, bench.md (README tables) and bench.png")
+    _write(result, rows)
 
 
 if __name__ == "__main__":
