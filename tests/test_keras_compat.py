@@ -195,3 +195,14 @@ def test_op_determinism_reads_tensorflows_switch():
 
             tf_config.disable_op_determinism()
     assert keras_compat.op_determinism() is was
+
+
+def test_num_workers_and_loss_tracker(mirrored):
+    """One process: 1 worker (two worker processes read 2: tests/test_loop.py's cluster run,
+    whose metrics.json says workers == 2)."""
+    assert keras_compat.num_workers(mirrored) == 1 and keras_compat.num_workers(tf.distribute.get_strategy()) == 1
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    tracker = keras_compat.loss_tracker(model)
+    tracker.update_state(3.0)
+    assert float(model.metrics[0].result()) == 3.0 and model.metrics[0] is tracker  # What fit reports as loss.

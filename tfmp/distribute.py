@@ -142,7 +142,7 @@ def strategy_name(strategy):
 
 def num_workers(strategy):
     """Worker processes (hosts) the strategy spans; 1 for single-process strategies."""
-    return getattr(strategy.extended, "_num_workers", 1)
+    return keras_compat.num_workers(strategy)
 
 
 def is_chief(strategy):

@@ -205,3 +205,14 @@ def op_determinism():
     from tensorflow.python.framework import config as tf_config  # noqa: PLC0415 - private, here only.
 
     return tf_config.is_op_determinism_enabled()
+
+
+def num_workers(strategy):
+    """Worker processes (hosts) `strategy` spans: 1 for single-process strategies (TensorFlow
+    keeps the count in a private attribute of the strategy's extended object)."""
+    return getattr(strategy.extended, "_num_workers", 1)
+
+
+def loss_tracker(model):
+    """The metric behind the `loss` that `model.fit` reports (a running mean), or None."""
+    return getattr(model, "_loss_tracker", None)

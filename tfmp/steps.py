@@ -109,7 +109,7 @@ class Steps:
             return  # Already so: keep what was traced.
         self.jit_compile = bool(jit_compile)
         jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
-        self.gradients = jit(self._replica_gradients)
+        self.gradients = jit(self.replica_gradients)
         self._forward = jit(self._replica_forward)
         self._one = tf.function(self._single)
         self._many = tf.function(self._updates)
@@ -187,7 +187,7 @@ class Steps:
         self._layout = layout
         return tf.concat(words, 0)
 
-    def _replica_gradients(self, batches):
+    def replica_gradients(self, batches):
         """Forward and backward passes over this replica's `batches`, gradients summed.
 
         Returns:
@@ -296,7 +296,7 @@ class Steps:
     # ---- evaluation ----
 
     def _track_loss(self, loss, x, skip_non_finite=False):
-        tracker = getattr(self.model, "_loss_tracker", None)
+        tracker = keras_compat.loss_tracker(self.model)
         if tracker is None:
             return
         value = loss * self.strategy.num_replicas_in_sync  # This replica's own mean.

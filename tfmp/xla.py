@@ -57,7 +57,7 @@ def replica_batch(element_spec, replicas, default_batch=8):
 
 def probe(steps, batches):
     """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
-    fn = tf.function(steps._replica_gradients, jit_compile=True)  # noqa: SLF001 - the function Steps compiles.
+    fn = tf.function(steps.replica_gradients, jit_compile=True)  # The function Steps compiles.
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
         fn.experimental_get_compiler_ir(b)(stage="hlo")
@@ -77,7 +77,7 @@ def probe(steps, batches):
 
 
 def _throughput(steps, jit, batches, repeats):
-    fn = tf.function(steps._replica_gradients, jit_compile=True) if jit else steps._replica_gradients  # noqa: SLF001
+    fn = tf.function(steps.replica_gradients, jit_compile=True) if jit else steps.replica_gradients
     strategy = steps.strategy
 
     @tf.autograph.experimental.do_not_convert  # Straight-line code; AutoGraph warns on the closure.

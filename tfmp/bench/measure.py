@@ -91,7 +91,7 @@ def flops_per_example(model):
     return 3 * forward  # Backward is about twice the forward.
 
 
-def _memory_bytes():
+def memory_bytes():
     """Peak GPU memory since the last reset, else this process's resident memory now."""
     if tf.config.list_physical_devices("GPU"):
         return tf.config.experimental.get_memory_info("GPU:0")["peak"]

@@ -63,7 +63,7 @@ class FitRunner:
             )
             self.jit_used = bool(self.model.jit_compile)
         self.loss = float(history.history["loss"][-1])
-        self.memory = max(self.memory, measure._memory_bytes())  # noqa: SLF001 - one module's helper.
+        self.memory = max(self.memory, measure.memory_bytes())  # noqa: SLF001 - one module's helper.
         self.step_times += timer.step_times
         return timer.examples_per_second
 
