@@ -26,7 +26,7 @@ from tfmp import (
     seed,
 )
 from tfmp.app import autotune, export, models, report
-from tfmp.app.config import JIT_COMPILE, Config, validate  # noqa: F401 - Config: re-exported.
+from tfmp.app.config import JIT_COMPILE, RESUME, Config, validate  # noqa: F401 - Config, RESUME: re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 

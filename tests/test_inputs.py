@@ -1,0 +1,81 @@
+"""tfmp.inputs on its own: what tfmp.fit accepts as data, the one clear error for what it
+does not, and the exact input position a resumed run continues from."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmp import inputs
+from tfmp.errors import UsageError
+
+ONE = tf.distribute.get_strategy
+
+
+def numbered(n=10, batch=2):
+    """Batches (of a static size) whose first element is their batch index."""
+    x = np.repeat(np.arange(n, dtype=np.float32), batch)[:, None]
+    return tf.data.Dataset.from_tensor_slices((x, x)).batch(batch, drop_remainder=True)
+
+
+def first(batch):
+    return int(batch[0].numpy()[0, 0])
+
+
+@pytest.mark.parametrize(
+    "data, steps, words",
+    [
+        (numbered().take(0), None, "data is empty"),
+        (numbered().repeat(), None, "repeats without end: give steps_per_epoch"),
+        (lambda context: numbered(), None, "data as a callable needs steps_per_epoch"),
+        (lambda context: np.ones(3), 4, "must return a tf.data.Dataset, got ndarray"),
+        (np.ones((4, 3)), 4, "wrap arrays with tf.data.Dataset.from_tensor_slices"),
+    ],
+)
+def test_what_fit_refuses(data, steps, words):
+    with pytest.raises(UsageError, match=words):
+        inputs.Input(data, ONE(), steps, 1, "data")
+
+
+def test_a_batch_that_does_not_divide_by_the_replicas(mirrored):
+    with pytest.raises(UsageError, match="data's global batch size 3 does not divide by the 2 replicas.*2 or 4"):
+        inputs.Input(numbered(batch=3), mirrored, None, 1, "data")
+
+
+def test_epochs_are_one_repeated_stream_and_a_resume_continues_at_its_position():
+    source = inputs.Input(numbered(10), ONE(), None, 2, "data")
+    assert source.period == 10 and source.steps == 10 and source.streamed
+    stream = source.stream(0)
+    drawn = [first(next(stream)) for _ in range(13)]  # An epoch and three batches more.
+    assert drawn == [*range(10), 0, 1, 2]
+    resumed = source.stream(13)
+    assert [first(next(resumed)) for _ in range(3)] == [3, 4, 5]
+
+
+def test_an_odd_epoch_under_accumulation_keeps_whole_updates():
+    source = inputs.Input(numbered(9), ONE(), None, 2, "data")
+    assert source.period == 9 and source.steps == 8  # 4 updates of 2 batches; the 9th is left over.
+    with pytest.raises(UsageError, match="holds 1 batches, fewer than grad_accum_steps=2"):
+        inputs.Input(numbered(1), ONE(), None, 2, "data")
+
+
+def test_a_callable_that_skips_by_itself_gets_the_position():
+    seen = []
+
+    def fn(context, skip=0):
+        seen.append(skip)
+        return numbered().repeat().skip(skip)
+
+    source = inputs.Input(fn, ONE(), 5, 1, "data")
+    assert first(next(source.stream(7))) == 7 and seen[-1] == 7
+
+
+def test_build_for_checks_the_structure_against_the_model():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    wrong = tf.data.Dataset.from_tensor_slices((np.ones((4, 5), "float32"), np.ones((4, 1), "float32"))).batch(2)
+    with pytest.raises(UsageError, match=r"input .* takes shape \(None, 3\) but the data gives \(None, 5\)"):
+        inputs.build_for(model, ONE(), wrong.element_spec)
+    no_targets = tf.data.Dataset.from_tensor_slices(np.ones((4, 3), "float32")).batch(2)
+    with pytest.raises(UsageError, match="the data gives no targets"):
+        inputs.build_for(model, ONE(), no_targets.element_spec)
