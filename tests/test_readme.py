@@ -1,7 +1,11 @@
 """README's "Your own model" example runs as written and resumes from its checkpoints."""
 
+import dataclasses
 import os
 import re
+import shlex
+import subprocess
+import sys
 
 from conftest import REPO
 
@@ -46,3 +50,58 @@ def test_numerics_doctor_example_runs(tmp_path, monkeypatch, capsys):
     for line in table.splitlines():  # The README shows this example's real output.
         if line.startswith(("keep in float32", "recommended")):
             assert line in readme, line
+
+
+def _shell_commands():
+    """Every command line of README's sh blocks, comments dropped, as argv lists."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    for block in re.findall(r"```sh\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            for command in line.split(" # ")[0].split("&&"):
+                if command.strip():
+                    yield shlex.split(command)
+
+
+def test_every_readme_command_parses_and_validates(tmp_path, monkeypatch):
+    """Each train.py and tfmp.launch line of README takes the flags and values it shows (a
+    renamed flag or a stale value fails here); the main command, the examples above and the
+    launcher run end to end in test_train.py, test_launch.py and this file."""
+    from absl import flags
+
+    import train  # noqa: F401 - defines train.py's flags (once per process).
+    from tfmp import cli, launch
+    from tfmp.app import training
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("train.py", "my_script.py"):
+        (tmp_path / name).write_text("")
+
+    def check_train(args):
+        flags.FLAGS.unparse_flags()
+        cli.flags_parser("train.py")(["train.py", *args])
+        fields = {f.name for f in dataclasses.fields(training.Config)}
+        values = {name: flags.FLAGS[name].value for name in flags.FLAGS if name in fields}
+        training.validate(training.Config(**{**values, "model_dir": str(tmp_path / "run"), "export_dir": None}))
+
+    seen = {"train.py": 0, "launch": 0, "pip": 0, "pytest": 0}
+    for argv in _shell_commands():
+        assert argv[0] == "python3", argv
+        if argv[1:] == ["train.py", "--help"]:
+            shown = subprocess.run(
+                [sys.executable, os.path.join(REPO, "train.py"), "--help"], capture_output=True, text=True, timeout=300
+            )
+            assert "--jit_compile" in shown.stdout and not shown.stderr, shown.stderr[-2000:]  # absl: exit 1.
+            seen["train.py"] += 1
+        elif argv[1] == "train.py":
+            check_train(argv[2:])
+            seen["train.py"] += 1
+        elif argv[1:3] == ["-m", "tfmp.launch"]:
+            options = launch.parse(argv[3:])
+            if options.script == "train.py":
+                check_train(options.args)
+            seen["launch"] += 1
+        else:
+            assert argv[1:4] in (["-m", "pip", "install"], ["-m", "pytest", "-q"]), argv
+            seen["pip" if argv[2] == "pip" else "pytest"] += 1
+    flags.FLAGS.unparse_flags()
+    assert seen["train.py"] >= 10 and seen["launch"] == 3 and seen["pip"] == 2 and seen["pytest"] == 1
