@@ -206,3 +206,12 @@ def test_num_workers_and_loss_tracker(mirrored):
     tracker = keras_compat.loss_tracker(model)
     tracker.update_state(3.0)
     assert float(model.metrics[0].result()) == 3.0 and model.metrics[0] is tracker  # What fit reports as loss.
+
+
+def test_float_ops_counts_a_matmul():
+    graph = (
+        tf.function(lambda a, b: tf.matmul(a, b))
+        .get_concrete_function(tf.TensorSpec((4, 8), tf.float32), tf.TensorSpec((8, 3), tf.float32))
+        .graph
+    )
+    assert keras_compat.float_ops(graph) == 2 * 4 * 8 * 3

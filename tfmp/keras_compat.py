@@ -5,7 +5,10 @@ Keras 3 has no public API for a layer's sublayers, for swapping a built layer's 
 policy without writing into a shared `DTypePolicyMap`, for seeing what a layer's `call`
 received and returned (the doctor needs these, on any model, without copying it), for
 building a model with its compiled loss and metrics from a data spec, for the loss
-`model.fit` computes, or for an optimizer's slot variables (tfmp's fused updates).
+`model.fit` computes and the metric it reports it with, or for an optimizer's slot
+variables (tfmp's fused updates). TensorFlow keeps private a strategy's worker count,
+whether op determinism is on, MirroredStrategy's collective key base and the FLOP
+profiler the bench uses.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
 (tfmp.loss_scale), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
@@ -216,3 +219,12 @@ def num_workers(strategy):
 def loss_tracker(model):
     """The metric behind the `loss` that `model.fit` reports (a running mean), or None."""
     return getattr(model, "_loss_tracker", None)
+
+
+def float_ops(graph):
+    """The floating-point operations TensorFlow's (v1, non-public) profiler counts in `graph`."""
+    from tensorflow.python.profiler import model_analyzer, option_builder  # noqa: PLC0415 - private, here only.
+
+    options = option_builder.ProfileOptionBuilder.float_operation()
+    options["output"] = "none"
+    return model_analyzer.profile(graph, options=options).total_float_ops

@@ -6,7 +6,7 @@ import time
 
 import tensorflow as tf
 
-from tfmp import data, precision
+from tfmp import data, keras_compat, precision
 from tfmp.app import models
 
 
@@ -81,14 +81,9 @@ def _peak(call, budget_seconds):
 
 def flops_per_example(model):
     """Training FLOPs per example: the forward pass at batch 1, counted by the TF profiler, times 3."""
-    from tensorflow.python.profiler import model_analyzer, option_builder  # Only the v1 profiler counts.
-
     spec = tf.TensorSpec((1, *model.inputs[0].shape[1:]), model.inputs[0].dtype)
     graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec).graph
-    options = option_builder.ProfileOptionBuilder.float_operation()
-    options["output"] = "none"
-    forward = model_analyzer.profile(graph, options=options).total_float_ops
-    return 3 * forward  # Backward is about twice the forward.
+    return 3 * keras_compat.float_ops(graph)  # Backward is about twice the forward.
 
 
 def memory_bytes():
