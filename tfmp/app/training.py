@@ -81,7 +81,7 @@ def train_and_evaluate(config, out=sys.stdout):
         return _train_and_evaluate(config, out, cleanup)
 
 
-class _Run:
+class _Setup:
     """What a run settled before building the model: strategy, where it writes, the batch
     split, data, epoch length, resume point and precision."""
 
@@ -156,7 +156,7 @@ def _train_and_evaluate(config, out, cleanup):
     """
     validate(config)
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
-    run = _Run(config, cleanup)  # Steps 1-5: strategy, seed, precision, batch split, data.
+    run = _Setup(config, cleanup)  # Steps 1-5: strategy, seed, precision, batch split, data.
     build_model = _model_builder(config, run.entry, run.ds)
     if config.diagnose:
         return _diagnose(config, build_model, run.strategy, run.ds, out)
