@@ -132,7 +132,8 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
 
     `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g.
-    `print`) hears, before "auto" times XLA, what that will cost."""
+    `print`) hears, before "autotune" times XLA, what that will cost. XLA is tried (a
+    compile of the step, seconds) only where it would be used: never for a rule that says off."""
     check(jit_compile)
     if jit_compile is False:
         steps.compile(False)
@@ -144,6 +145,12 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(element_spec)):
         steps.compile(False)
         return False, "the inputs are not all dense tensors (ragged or sparse)"
+    ruled = jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or keras_compat.op_determinism()
+    if jit_compile is not True and ruled:  # The rule's answer stands unless XLA cannot compile the model.
+        use, why = _rule(steps.strategy, jit_compile)
+        if not use:
+            steps.compile(False)
+            return use, why
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
     if key not in _PROBES:
@@ -154,9 +161,7 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
         use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
     elif jit_compile is True:
         use, why = True, "on"
-    elif jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or keras_compat.op_determinism():
-        use, why = _rule(steps.strategy, jit_compile)
-    else:
+    elif not ruled:
         if key not in _VERDICTS:
             if say is not None:
                 say(
