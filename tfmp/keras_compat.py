@@ -124,11 +124,11 @@ def policies(layers, policy):
     saved = [layer._dtype_policy for layer in layers]  # noqa: SLF001
     try:
         for layer in layers:
-            layer._dtype_policy = policy  # noqa: SLF001
+            set_policy(layer, policy)
         yield
     finally:
         for layer, kept in zip(layers, saved, strict=True):
-            layer._dtype_policy = kept  # noqa: SLF001
+            set_policy(layer, kept)  # The same object back (`get` returns a policy object as it is).
 
 
 @contextlib.contextmanager

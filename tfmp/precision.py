@@ -314,10 +314,10 @@ def _keep_float32_block(patterns):
 
 def device_name():
     """The accelerator's name, or the CPU's model name."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        return tf.config.experimental.get_device_details(gpus[0]).get("device_name", "GPU")
-    if tf.config.list_logical_devices("TPU"):
+    hardware = detect_hardware()
+    if hardware.gpu_name:
+        return hardware.gpu_name
+    if hardware.tpu:
         return "TPU"
     try:
         with open("/proc/cpuinfo") as f:

@@ -12,9 +12,8 @@ import tensorflow as tf
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import doctor, guards, inputs, loss_scale
 from tfmp.errors import Preempted, TrainingError, first_line
+from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
-
-PROGRESS_ENV = "TFMP_PROGRESS_FILE"  # Where tfmp.launch asks each worker to say how far it got.
 
 
 class _Update(typing.NamedTuple):

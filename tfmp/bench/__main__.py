@@ -19,6 +19,7 @@ import time  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tfmp import files, precision  # noqa: E402
+from tfmp.app.config import JIT_COMPILE  # noqa: E402
 from tfmp.bench import measure, micro, runs, tables  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -33,9 +34,7 @@ flags.DEFINE_integer("batch_size", 256, "Global batch size.")
 flags.DEFINE_integer("rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.")
 flags.DEFINE_float("round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.")
 flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
-flags.DEFINE_enum(
-    "jit_compile", "auto", ["auto", "autotune", "true", "false"], "tfmp.fit's jit_compile (Keras fit: its default)."
-)
+flags.DEFINE_enum("jit_compile", "auto", list(JIT_COMPILE), "tfmp.fit's jit_compile (Keras fit: its default).")
 flags.DEFINE_integer(
     "matmul_size", None, "Square matmul size for the peak FLOP/s micro-benchmark (default: GPU 8192, CPU 2048)."
 )
@@ -139,7 +138,7 @@ def main(argv):
     device = precision.device_name()
     print(f"device: {device}", flush=True)
     peaks = _peaks()
-    jit = {"auto": "auto", "autotune": "autotune", "true": True, "false": False}[FLAGS.jit_compile]
+    jit = JIT_COMPILE[FLAGS.jit_compile]
     rows = []
     for name in FLAGS.models:
         rows += runs.bench_model(

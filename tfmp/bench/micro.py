@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fused, loop, steps, timing
+from tfmp import fused, inputs, loop, steps, timing
 from tfmp.app import models
 from tfmp.bench import realsize
 from tfmp.bench.runs import FitRunner
@@ -95,8 +95,7 @@ def sparse_steps(vocab_sizes, strategy, batch_size=128, sequence_length=64, roun
                 )
             loop.prepare(model, strategy, dataset.element_spec)  # Builds the model and optimizer.
             compiled = steps.Steps(model, strategy, sparse=sparse)
-            distributed = strategy.num_replicas_in_sync > 1
-            iterator = iter(strategy.experimental_distribute_dataset(dataset) if distributed else dataset)
+            iterator = inputs.Input(dataset, strategy, 1, 1, "data").stream(0)  # tfmp.fit's input path.
             compiled.train(iterator)  # Trace.
             step = functools.partial(compiled.train, iterator)
             runs["sparse" if sparse else "dense"] = functools.partial(_calls_per_second, step, steps_per_turn)
