@@ -41,7 +41,7 @@ def define_flags():
 
 def run_parity():
     def run(policy, seed):
-        with tempfile.TemporaryDirectory() as model_dir:
+        with tempfile.TemporaryDirectory() as model_dir, open(os.devnull, "w") as quiet:
             config = training.Config(
                 model=FLAGS.model,
                 dataset=FLAGS.dataset,
@@ -57,7 +57,7 @@ def run_parity():
                 model_dir=model_dir,
                 verbose=0,
             )
-            accuracy = training.train_and_evaluate(config, out=open(os.devnull, "w"))["test_accuracy"]
+            accuracy = training.train_and_evaluate(config, out=quiet)["test_accuracy"]
         print(f"  {policy:15s} seed {seed}: test accuracy {accuracy:.4f}", flush=True)
         return accuracy
 

@@ -23,7 +23,8 @@ class FitRunner:
     """One model under one policy, trained a turn at a time by `tfmp.fit` or `model.fit`.
 
     Each turn is one call of fit for `steps + 1` steps; its first step is not timed (a new
-    iterator, callbacks set up), the others are, from one batch end to the next.
+    iterator, callbacks set up), the others are, from one batch begin to the next (see
+    `callbacks.Throughput`).
     """
 
     def __init__(self, trainer, policy, build, dataset, batch_size, jit_compile):
@@ -63,7 +64,7 @@ class FitRunner:
             )
             self.jit_used = bool(self.model.jit_compile)
         self.loss = float(history.history["loss"][-1])
-        self.memory = max(self.memory, measure.memory_bytes())  # noqa: SLF001 - one module's helper.
+        self.memory = max(self.memory, measure.memory_bytes())
         self.step_times += timer.step_times
         return timer.examples_per_second
 
