@@ -7,9 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
-from tfmp.bench import micro, pool, runs, tables
+from tfmp.bench import micro, pool, pytorch, runs, tables
 
 
 def test_bench_writes_figures(tmp_path):
@@ -76,7 +77,10 @@ def test_every_policy_gets_every_round_even_past_its_share_of_time():
     (row,) = runs.bench_model("cnn", ["float32"], 16, rounds=2, round_seconds=0.0, max_steps=3, peaks=peaks)
     assert len(row["rounds"]) == len(row["keras_fit_rounds"]) == 2
     assert row["steps_timed"] == 2 and min(row["rounds"] + row["keras_fit_rounds"]) > 0
-    assert "cnn" in tables.table([row])
+    assert "cnn" in tables.table([row]) and "PyTorch" not in tables.table([row])
+    row["pytorch_examples_per_second"] = 12.5  # PyTorch's column, where a row has it.
+    assert tables.table([row]).splitlines()[0].endswith("PyTorch AMP ex/s") and "12.5" in tables.table([row])
+    assert tables.markdown({"rows": [row]}).splitlines()[2].endswith("| 12.5 |")
 
 
 def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):
@@ -128,3 +132,44 @@ def test_benchpool_pools_the_rounds_of_several_runs(tmp_path, capsys):
             json.dump(result, f)
     assert pool.main(paths[:2]) == 0 and "| m | float32 | 1.00 | 1.00 | 1.000" in capsys.readouterr().out
     assert pool.main(paths) == 2 and "different devices" in capsys.readouterr().err
+
+
+def _torch_python():
+    """A Python with torch and torchvision: this one, else $TFMP_TORCH_PYTHON, else None."""
+    return pytorch.find_python("auto") or os.environ.get("TFMP_TORCH_PYTHON")
+
+
+@pytest.mark.skipif(not _torch_python(), reason="no PyTorch: set TFMP_TORCH_PYTHON to a Python with torchvision")
+def test_pytorch_column_trains_torchvision_resnet50_in_its_own_interpreter(capfd):
+    rows, facts = pytorch.rates(
+        _torch_python(), ["float32", "mixed_bfloat16", "float8"], 2, rounds=2, round_seconds=0.0, max_steps=1
+    )
+    assert set(rows) == {"float32", "mixed_bfloat16"}  # float8 has no PyTorch counterpart here.
+    for row in rows.values():
+        assert len(row["rounds"]) == 2 and min(row["rounds"]) > 0 and row["steps_per_round"] == 1
+        assert row["examples_per_second"] > 0 and row["final_loss"] >= 0
+    assert facts["torch"] and facts["torchvision"] and facts["device"]
+    progress = capfd.readouterr().err
+    assert "bench: pytorch resnet50 mixed_bfloat16: round 2/2 done" in progress
+    assert "PyTorch AMP: torch " in tables.pytorch_text(facts)
+
+
+def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
+    assert pytorch.find_python("off") is None and pytorch.find_python("/opt/py") == "/opt/py"
+    failing, silent = tmp_path / "failing", tmp_path / "silent"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    silent.write_text("#!/bin/sh\necho warming up\n")
+    for script in (failing, silent):
+        script.chmod(0o755)
+    rows, why = pytorch.rates(str(failing), ["float32"], 2, 1, 0.0, 1)
+    assert rows is None and why == f"{failing} exited with 3 (its error is above)"
+    rows, why = pytorch.rates(str(silent), ["float32"], 2, 1, 0.0, 1)
+    assert rows is None and why.startswith(f"{silent} printed no result")
+    rows, why = pytorch.rates(str(tmp_path / "absent"), ["float32"], 2, 1, 0.0, 1)
+    assert rows is None and why.startswith("FileNotFoundError")
+    assert pytorch.rates(sys.executable, ["float8"], 2, 1, 0.0, 1) == (None, "no policy with a PyTorch counterpart")
+    assert tables.pytorch_text({"left_out": why}) == f"PyTorch column left out: {why}"
+    # A Python named on the command line that is not there is an error at once, not a column left out.
+    bench = [sys.executable, "-m", "tfmp.bench", f"--pytorch={tmp_path / 'absent'}", "--models=resnet50"]
+    result = subprocess.run(bench, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "not an executable Python" in result.stderr

@@ -20,7 +20,7 @@ from absl import app, flags  # noqa: E402
 
 from tfmp import files, precision  # noqa: E402
 from tfmp.app.config import JIT_COMPILE  # noqa: E402
-from tfmp.bench import measure, micro, runs, tables  # noqa: E402
+from tfmp.bench import measure, micro, pytorch, runs, tables  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -50,6 +50,12 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_list("update_models", ["resnet50", "bert_base"], "Real-size models whose Adam update is timed.")
 flags.DEFINE_integer("overhead_rounds", 10, "Rounds timing each training loop's own cost per step (0: skip).")
+flags.DEFINE_string(
+    "pytorch",
+    "auto",
+    "PyTorch's column for resnet50 (torchvision, autocast, channels_last, in a subprocess on the same device): "
+    "auto (where this Python has torch and torchvision), off, or the path of a Python that has them.",
+)
 flags.DEFINE_string("output_dir", "bench_out", "Where bench.json and bench.png go.")
 
 
@@ -74,6 +80,21 @@ def _sparse_strategy(replicas):
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
     devices = [d.name for d in tf.config.list_logical_devices("GPU" if gpus else "CPU")][:replicas]
     return tf.distribute.MirroredStrategy(devices)
+
+
+def _pytorch_column():
+    """PyTorch's resnet50 rows ({policy: row}, facts), run before TensorFlow takes the GPU's
+    memory; ({}, {"left_out": why}) where it does not run."""
+    python = pytorch.find_python(FLAGS.pytorch)
+    if pytorch.MODEL not in FLAGS.models or python is None:
+        return {}, {}
+    print(f"bench: pytorch {pytorch.MODEL}: torchvision in {python}, a subprocess", flush=True)
+    turn = FLAGS.round_seconds / len(FLAGS.policies) / len(tables.TRAINERS)  # A turn of one loop in a round.
+    found, facts = pytorch.rates(python, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, turn, FLAGS.max_steps)
+    if found is None:
+        print(f"bench: pytorch column left out: {facts}", flush=True)
+        return {}, {"left_out": facts}
+    return found, facts
 
 
 def _peaks():
@@ -133,10 +154,14 @@ def main(argv):
         choices = ", ".join(precision.POLICIES[1:])
         print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
         sys.exit(2)
+    if FLAGS.pytorch not in ("auto", "off") and not os.access(FLAGS.pytorch, os.X_OK):
+        print(f"bench: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
+        sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
     device = precision.device_name()
     print(f"device: {device}", flush=True)
+    torch_rows, torch_facts = _pytorch_column()
     peaks = _peaks()
     jit = JIT_COMPILE[FLAGS.jit_compile]
     rows = []
@@ -144,6 +169,9 @@ def main(argv):
         rows += runs.bench_model(
             name, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
+        for row in rows:
+            if row["model"] == pytorch.MODEL and row["policy"] in torch_rows:
+                row["pytorch_examples_per_second"] = torch_rows[row["policy"]]["examples_per_second"]
         print(tables.table([r for r in rows if r["model"] == name]), flush=True)
     bundled = [n for n in FLAGS.models if n in runs.models.MODELS]
     choices = (
@@ -164,6 +192,8 @@ def main(argv):
         print(tables.table(rows))
     if summary:
         print(tables.versus_keras_text(summary))
+    if torch_facts:
+        print(tables.pytorch_text(torch_facts))
     _print_choices(choices)
     _print_micro(updates, overhead, sparse)
     result = {
@@ -179,6 +209,7 @@ def main(argv):
         "sparse": sparse,
         "overhead": overhead,
         "updates": updates,
+        "pytorch": {"rows": torch_rows, **torch_facts} if torch_rows or torch_facts else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     _write(result, rows)

@@ -51,6 +51,8 @@ def table(rows):
         "model", "policy", "ex/s", "vs fp32", "possible", "share", "Keras fit ex/s", "tfmp/Keras", "XLA tfmp/Keras",
         "MFU", "peak MB",
     )  # fmt: skip
+    torch = any("pytorch_examples_per_second" in r for r in rows)
+    head += ("PyTorch AMP ex/s",) if torch else ()
     lines = []
     for r in rows:
         kind = "conv" if r["model"] in CONV_MODELS else "matmul"
@@ -73,10 +75,27 @@ def table(rows):
                 fmt(100 * r["mfu"], ".0f", "%"),
                 f"{r['peak_memory_mb']:,.0f}",
             )
+            + ((_pytorch_rate(r),) if torch else ())
         )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, strict=False)]
     fmt_line = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt_line.format(*head), *(fmt_line.format(*line) for line in lines)])
+
+
+def pytorch_text(facts):
+    """What the PyTorch column is, or why it was left out."""
+    if "left_out" in facts:
+        return f"PyTorch column left out: {facts['left_out']}"
+    return (
+        f"PyTorch AMP: torch {facts['torch']}, torchvision {facts['torchvision']} ResNet-50 (v1.5, channels_last, "
+        f"Adam, GradScaler with float16), on {facts['device']}, in a subprocess of the same run"
+    )
+
+
+def _pytorch_rate(row):
+    """PyTorch's examples/second for the row's model and policy, "-" where it has none."""
+    value = row.get("pytorch_examples_per_second")
+    return "-" if value is None else _rate(value)
 
 
 def share_text(pick):
@@ -129,13 +148,14 @@ def plot(rows, path):
 def markdown(result):
     """bench.json's figures as README tables: the rows, then autotune's picks and the sparse check."""
     rows = result["rows"]
+    torch = any("pytorch_examples_per_second" in r for r in rows)
     out = (
         []
         if not rows
         else [
             "| model | policy | tfmp ex/s | vs float32 | possible (peaks) | share of it | Keras fit ex/s "
-            "| tfmp / Keras | XLA tfmp / Keras | MFU | peak MB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| tfmp / Keras | XLA tfmp / Keras | MFU | peak MB |" + (" PyTorch AMP ex/s |" if torch else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if torch else ""),
         ]
     )
     for r in rows:
@@ -147,10 +167,12 @@ def markdown(result):
             f"{f'{100 * share:.0f}%' if share is not None else '-'} | {_rate(r['keras_fit_examples_per_second'])} | "
             f"{_versus_keras(r)} | "
             f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
-            f"{r['peak_memory_mb']:,.0f} |"
+            f"{r['peak_memory_mb']:,.0f} |" + (f" {_pytorch_rate(r)} |" if torch else "")
         )
     if result.get("versus_keras"):
         out += ["", versus_keras_text(result["versus_keras"])]
+    if result.get("pytorch"):
+        out += ["", pytorch_text(result["pytorch"])]
     if result.get("choices"):
         out += [
             "",
