@@ -173,3 +173,5 @@ def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
     bench = [sys.executable, "-m", "tfmp.bench", f"--pytorch={tmp_path / 'absent'}", "--models=resnet50"]
     result = subprocess.run(bench, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "not an executable Python" in result.stderr
+    result = subprocess.run([*bench[:3], "--models=resnet5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "unknown model 'resnet5'; choose from cnn, resnet" in result.stderr

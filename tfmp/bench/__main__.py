@@ -1,7 +1,7 @@
 """Benchmark precision policies per model, in one process: tfmp.fit against plain Keras
 `model.fit`, every policy in alternating rounds, with this machine's matmul and conv peaks.
 
-    python -m tfmp.bench                      # the bundled models, on their shipped data
+    python -m tfmp.bench                      # bundled models, shipped data (GPU: resnet50, bert_base)
     python -m tfmp.bench --models=resnet50,bert_base --policies=float32,mixed_bfloat16 \\
         --batch_size=16 --rounds=3 --autotune_runs=0 --sparse_vocab=
 
@@ -16,21 +16,30 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import sys  # noqa: E402
 import time  # noqa: E402
 
+import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tfmp import files, precision  # noqa: E402
 from tfmp.app.config import JIT_COMPILE  # noqa: E402
-from tfmp.bench import measure, micro, pytorch, runs, tables  # noqa: E402
+from tfmp.bench import measure, micro, pytorch, realsize, runs, tables  # noqa: E402
 
 FLAGS = flags.FLAGS
+BUNDLED_BATCH = 256
 flags.DEFINE_list(
     "models",
-    ["cnn", "resnet", "lstm", "transformer"],
+    None,
     "Models: the bundled cnn, resnet, lstm, transformer (shipped data) and the real-size resnet50 "
-    "(224x224x3) and bert_base (12 x 768, sequence 128) on synthetic data.",
+    "(224x224x3), bert_base (12 x 768, sequence 128) and encoder_4096 on synthetic data. Default: the "
+    "bundled ones on a CPU, resnet50 and bert_base on a GPU (the bundled ones are too small to fill it).",
 )
 flags.DEFINE_list("policies", ["float32", "mixed_bfloat16", "mixed_float16"], "Policies to compare.")
-flags.DEFINE_integer("batch_size", 256, "Global batch size.")
+flags.DEFINE_integer(
+    "batch_size",
+    None,
+    f"Global batch size (default: {BUNDLED_BATCH} for the bundled models; "
+    + ", ".join(f"{name} {batch}" for name, batch in realsize.BATCH_SIZES.items())
+    + ").",
+)
 flags.DEFINE_integer("rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.")
 flags.DEFINE_float("round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.")
 flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
@@ -70,8 +79,6 @@ def _print_choices(choices):
 
 
 def _sparse_strategy(replicas):
-    import tensorflow as tf
-
     if replicas <= 1:
         return tf.distribute.get_strategy()
     gpus = tf.config.list_physical_devices("GPU")
@@ -82,15 +89,27 @@ def _sparse_strategy(replicas):
     return tf.distribute.MirroredStrategy(devices)
 
 
+def _models():
+    """--models, or the default for this machine (read without starting TensorFlow's runtime)."""
+    if FLAGS.models is not None:
+        return FLAGS.models
+    return list(realsize.GPU_MODELS) if tf.config.list_physical_devices("GPU") else list(runs.models.MODELS)
+
+
+def _batch_size(name):
+    return FLAGS.batch_size or realsize.BATCH_SIZES.get(name, BUNDLED_BATCH)
+
+
 def _pytorch_column():
     """PyTorch's resnet50 rows ({policy: row}, facts), run before TensorFlow takes the GPU's
     memory; ({}, {"left_out": why}) where it does not run."""
     python = pytorch.find_python(FLAGS.pytorch)
-    if pytorch.MODEL not in FLAGS.models or python is None:
+    if pytorch.MODEL not in _models() or python is None:
         return {}, {}
     print(f"bench: pytorch {pytorch.MODEL}: torchvision in {python}, a subprocess", flush=True)
     turn = FLAGS.round_seconds / len(FLAGS.policies) / len(tables.TRAINERS)  # A turn of one loop in a round.
-    found, facts = pytorch.rates(python, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, turn, FLAGS.max_steps)
+    batch = _batch_size(pytorch.MODEL)
+    found, facts = pytorch.rates(python, FLAGS.policies, batch, FLAGS.rounds, turn, FLAGS.max_steps)
     if found is None:
         print(f"bench: pytorch column left out: {facts}", flush=True)
         return {}, {"left_out": facts}
@@ -154,28 +173,34 @@ def main(argv):
         choices = ", ".join(precision.POLICIES[1:])
         print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
         sys.exit(2)
+    known = [*runs.models.MODELS, *realsize.MODELS]
+    unknown = [m for m in _models() if m not in known]
+    if unknown:
+        print(f"bench: error: unknown model {unknown[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
+        sys.exit(2)
     if FLAGS.pytorch not in ("auto", "off") and not os.access(FLAGS.pytorch, os.X_OK):
         print(f"bench: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
         sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
+    torch_rows, torch_facts = _pytorch_column()  # Before TensorFlow takes the GPU's memory.
     strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
     device = precision.device_name()
     print(f"device: {device}", flush=True)
-    torch_rows, torch_facts = _pytorch_column()
     peaks = _peaks()
     jit = JIT_COMPILE[FLAGS.jit_compile]
     rows = []
-    for name in FLAGS.models:
+    batches = {name: _batch_size(name) for name in _models()}
+    for name, batch in batches.items():
         rows += runs.bench_model(
-            name, FLAGS.policies, FLAGS.batch_size, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
+            name, FLAGS.policies, batch, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
         for row in rows:
             if row["model"] == pytorch.MODEL and row["policy"] in torch_rows:
                 row["pytorch_examples_per_second"] = torch_rows[row["policy"]]["examples_per_second"]
         print(tables.table([r for r in rows if r["model"] == name]), flush=True)
-    bundled = [n for n in FLAGS.models if n in runs.models.MODELS]
+    bundled = [n for n in batches if n in runs.models.MODELS]
     choices = (
-        runs.policy_choices(rows, bundled, FLAGS.policies, FLAGS.batch_size, FLAGS.autotune_runs, FLAGS.trial_seconds)
+        runs.policy_choices(rows, bundled, FLAGS.policies, _batch_size(""), FLAGS.autotune_runs, FLAGS.trial_seconds)
         if FLAGS.autotune_runs
         else []
     )
@@ -186,7 +211,9 @@ def main(argv):
         sparse = micro.sparse_steps([int(v) for v in FLAGS.sparse_vocab], strategy)
     elif FLAGS.sparse_vocab:
         print("sparse check skipped: one replica has nothing to all-reduce (--sparse_replicas=2 times it)")
-    print(f"\n{device}, batch {FLAGS.batch_size}, medians of {FLAGS.rounds} alternating rounds")
+    sizes = set(batches.values())
+    batch_text = f"batch {sizes.pop()}" if len(sizes) == 1 else ", ".join(f"{n} batch {b}" for n, b in batches.items())
+    print(f"\n{device}, {batch_text}, medians of {FLAGS.rounds} alternating rounds")
     summary = tables.versus_keras(rows)
     if rows:
         print(tables.table(rows))
@@ -198,7 +225,7 @@ def main(argv):
     _print_micro(updates, overhead, sparse)
     result = {
         "device": device,
-        "batch_size": FLAGS.batch_size,
+        "batch_size": batches,
         "rounds": FLAGS.rounds,
         "round_seconds": FLAGS.round_seconds,
         "jit_compile": FLAGS.jit_compile,

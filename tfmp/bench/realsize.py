@@ -57,3 +57,5 @@ def synthetic(name, batch_size, seed=0):
 
 
 MODELS = {"resnet50": resnet50, "bert_base": bert_base, "encoder_4096": encoder_4096}
+GPU_MODELS = ("resnet50", "bert_base")  # The bench's default on a GPU.
+BATCH_SIZES = {"resnet50": 128, "bert_base": 64, "encoder_4096": 64}  # Its defaults, the GPU sizes.
