@@ -60,19 +60,6 @@ def test_several_strategies_one_after_another():
     assert np.isfinite(results).all()
 
 
-# Strategies without merge calls (XLA on GPUs) cannot be made to run this on CPU devices:
-# with TensorFlow's own stub below, the update of the optimizer's `iterations` counter
-# (aggregation ONLY_FIRST_REPLICA) still asks for a merge_call, which TensorFlow refuses
-# inside the overflow cond ("merge_call called while defining a new graph"). The stub's
-# devices are CPUs whatever else the machine has, so it fails the same way on a GPU machine.
-# Kept as a strict xfail: it fails loudly the day TensorFlow allows it.
-NO_MERGE_CALL_ON_CPU = pytest.mark.xfail(
-    reason="TensorFlow needs a merge_call for ONLY_FIRST_REPLICA variables inside a cond",
-    raises=RuntimeError,
-    strict=True,
-)
-
-
 @pytest.fixture(scope="module")
 def no_merge_call():
     """A MirroredStrategy whose replicas never merge (what XLA on GPUs and TPUs use), made
@@ -83,18 +70,27 @@ def no_merge_call():
     return strategy
 
 
-@NO_MERGE_CALL_ON_CPU
 def test_no_merge_call_branch_trains_like_one_replica(no_merge_call):
+    """The branch XLA on GPUs and TPUs takes: the loss-scale cond updates the optimizer's
+    iteration count, which TensorFlow would broadcast with a merge call that it refuses
+    there; and Keras' LossScaleOptimizer from compile is replaced inside the strategy's scope
+    (one made outside it hung the first step)."""
     keras.config.set_dtype_policy("mixed_float16")
-    one = regression()
-    tfmp.fit(one, regression_data(), verbose=0)
-    two = regression(no_merge_call)
-    tfmp.fit(two, regression_data(), verbose=0)
-    assert_same(weights(two), weights(one), atol=1e-3)  # float16 compute.
-    assert int(two.optimizer.iterations.numpy()) == 8
+    init = [w.numpy() for w in tiny.build(tf.distribute.get_strategy())[0].weights]
+    one, _ = tiny.train(tf.distribute.get_strategy(), init, 4, 16)
+    two, model = tiny.train(no_merge_call, init, 4, 16)
+    assert_same(two, one, atol=1e-3)  # float16 compute.
+    assert int(model.optimizer.iterations.numpy()) == 4
+    # Keras' own wrapper from compile, replaced: 2**15 overflows float16 here at first, and
+    # every skipped step halved the scale on both replicas.
+    model = regression(no_merge_call)
+    assert type(model.optimizer) is keras.optimizers.LossScaleOptimizer
+    tfmp.fit(model, regression_data(), verbose=0, strategy=no_merge_call)
+    applied = int(model.optimizer.iterations.numpy())
+    assert 0 < applied < 8 and float(model.optimizer.dynamic_scale.numpy()) == 2.0 ** (15 - (8 - applied))
+    assert all(np.isfinite(w).all() for w in weights(model))
 
 
-@NO_MERGE_CALL_ON_CPU
 @pytest.mark.parametrize("bad_replica", [0, 1])
 def test_no_merge_call_overflow_on_one_replica_skips_everywhere(no_merge_call, bad_replica):
     keras.config.set_dtype_policy("mixed_float16")

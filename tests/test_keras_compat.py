@@ -184,6 +184,24 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
     )
 
 
+def test_replica_local_updates_count_on_each_replicas_copy_and_put_the_aggregation_back(mirrored):
+    with mirrored.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+        weight = keras.Variable(np.ones(2, np.float32), aggregation="mean")
+    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    assert optimizer.iterations.value.aggregation == only_first
+
+    def replica_count():
+        with keras_compat.replica_local_updates([*optimizer.variables, weight]):
+            assert optimizer.iterations.value.aggregation == tf.VariableAggregation.NONE
+            assert weight.value.aggregation == tf.VariableAggregation.MEAN  # Only first-replica ones.
+            optimizer.iterations.assign_add(1)
+
+    mirrored.run(tf.function(replica_count))
+    assert optimizer.iterations.value.aggregation == only_first
+    assert [int(c) for c in mirrored.experimental_local_results(optimizer.iterations.value)] == [1, 1]
+
+
 def test_op_determinism_reads_tensorflows_switch():
     was = keras_compat.op_determinism()
     tf.config.experimental.enable_op_determinism()

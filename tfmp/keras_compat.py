@@ -7,8 +7,9 @@ received and returned (the doctor needs these, on any model, without copying it)
 building a model with its compiled loss and metrics from a data spec, for the loss
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
 variables (tfmp's fused updates). TensorFlow keeps private a strategy's worker count,
-whether op determinism is on, MirroredStrategy's collective key base and the FLOP
-profiler the bench uses.
+whether op determinism is on, MirroredStrategy's collective key base, a variable's
+aggregation (set aside while tfmp's loss-scale cond counts an update where no merge call
+may run) and the FLOP profiler the bench uses.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
 (tfmp.loss_scale), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
@@ -200,6 +201,30 @@ def reduced_applier(optimizer, update_step=None, reduced_flag=None):
     if update_step is not None:
         object.__setattr__(inner, "update_step", update_step)
     return applier
+
+
+@contextlib.contextmanager
+def replica_local_updates(variables):
+    """Inside the block, updates in replica context of those of `variables` that a strategy
+    broadcasts from its first replica (an optimizer's iteration count) go to each replica's
+    own copy instead. TensorFlow broadcasts them with a merge call even where the strategy
+    makes none (XLA on GPUs), and refuses a merge call inside a `cond` branch; tfmp's
+    loss-scale `cond` updates the count with every replica on the same branch and the copies
+    equal, so each adding its own increment leaves them equal. Tracing only: the variables'
+    aggregation is put back at the end of the block."""
+    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    changed = []
+    for variable in variables:
+        value = getattr(variable, "value", variable)  # A Keras variable's tf.Variable.
+        if getattr(value, "_aggregation", None) == only_first:
+            changed.append(value)
+    try:
+        for value in changed:
+            value._aggregation = tf.VariableAggregation.NONE  # noqa: SLF001
+        yield
+    finally:
+        for value in changed:
+            value._aggregation = only_first  # noqa: SLF001
 
 
 def op_determinism():

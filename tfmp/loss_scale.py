@@ -40,12 +40,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         finite = self._finite_on_every_replica(replica_ctx, grads)
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             # Every replica holds the same `finite`, so all take the same branch and
-            # the collective all-reduce inside the inner optimizer stays matched.
-            ops.cond(
-                finite,
-                lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
-                self._stateful_handle_non_finite_grads,
-            )
+            # the collective all-reduce inside the inner optimizer stays matched; the
+            # iteration count, which TensorFlow would broadcast from replica 0 with a
+            # merge call (refused inside a cond), is counted on each replica's own copy.
+            with keras_compat.replica_local_updates(self.variables + self.inner_optimizer.variables):
+                ops.cond(
+                    finite,
+                    lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
+                    self._stateful_handle_non_finite_grads,
+                )
             return
 
         def cross_replica(distribution, finite, grads, trainable_variables):
@@ -138,11 +141,11 @@ def for_model(model, strategy):
     replaced, keeping its state. Returns the optimizer the model now has.
     """
     optimizer = model.optimizer
-    wrapped = wrap_optimizer(optimizer, model=model)
+    with strategy.scope():  # The wrapper's own variables are the strategy's, like the model's.
+        wrapped = wrap_optimizer(optimizer, model=model)
+        if wrapped is not optimizer and not wrapped.built and optimizer.built:
+            wrapped.build(model.trainable_variables)
     if wrapped is not optimizer:
-        with strategy.scope():
-            if not wrapped.built and optimizer.built:
-                wrapped.build(model.trainable_variables)
         model.optimizer = wrapped
     return model.optimizer
 
