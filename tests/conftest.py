@@ -75,6 +75,16 @@ def mirrored():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+@pytest.fixture(scope="session")
+def no_merge_call():
+    """A MirroredStrategy whose replicas never merge (what XLA on GPUs and TPUs use), made
+    on the two logical CPU devices the way TensorFlow's own tests make one."""
+    tf.distribute.MirroredStrategy._collective_key_base += 100000  # Keys apart from `mirrored`'s.
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy.extended._use_merge_call = lambda: False
+    return strategy
+
+
 # Helpers the test files share (import them from conftest).
 
 

@@ -60,16 +60,6 @@ def test_several_strategies_one_after_another():
     assert np.isfinite(results).all()
 
 
-@pytest.fixture(scope="module")
-def no_merge_call():
-    """A MirroredStrategy whose replicas never merge (what XLA on GPUs and TPUs use), made
-    on CPU the way TensorFlow's own tests make one."""
-    tf.distribute.MirroredStrategy._collective_key_base += 100000
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    strategy.extended._use_merge_call = lambda: False
-    return strategy
-
-
 def test_no_merge_call_branch_trains_like_one_replica(no_merge_call):
     """The branch XLA on GPUs and TPUs takes: the loss-scale cond updates the optimizer's
     iteration count, which TensorFlow would broadcast with a merge call that it refuses

@@ -56,8 +56,11 @@ def test_policy_quantizes_hidden_layers_not_the_head(caplog):
     assert "float8" in tfmp.audit(model).table()
 
 
-def test_amax_history_and_scales_are_the_maximum_over_replicas(mirrored):
-    """Replica 1's half of each batch is 100x larger: Keras would keep replica 0's amax."""
+@pytest.mark.parametrize("strategy_name", ["mirrored", "no_merge_call"])
+def test_amax_history_and_scales_are_the_maximum_over_replicas(request, strategy_name):
+    """Replica 1's half of each batch is 100x larger: Keras would keep replica 0's amax.
+    Also where replicas never merge (XLA on GPUs and TPUs)."""
+    mirrored = request.getfixturevalue(strategy_name)
     tfmp.configure_precision("float8")
     one, two = build(), build(mirrored)
     for updates, rtol in ((1, 1e-6), (3, 2**-7)):  # Later, the weights differ in bfloat16's last bit.
