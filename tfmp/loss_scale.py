@@ -43,7 +43,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # the collective all-reduce inside the inner optimizer stays matched; the
             # iteration count, which TensorFlow would broadcast from replica 0 with a
             # merge call (refused inside a cond), is counted on each replica's own copy.
-            with keras_compat.replica_local_updates(self.variables + self.inner_optimizer.variables):
+            with keras_compat.replica_local_updates(self.variables):  # The inner optimizer's too.
                 ops.cond(
                     finite,
                     lambda: self._stateful_handle_finite_grads(grads, trainable_variables),

@@ -100,16 +100,15 @@ def _batch_size(name):
     return FLAGS.batch_size or realsize.BATCH_SIZES.get(name, BUNDLED_BATCH)
 
 
-def _pytorch_column():
+def _pytorch_column(batches):
     """PyTorch's resnet50 rows ({policy: row}, facts), run before TensorFlow takes the GPU's
-    memory; ({}, {"left_out": why}) where it does not run."""
+    memory; ({}, {"left_out": why}) where it does not run. `batches`: {model: batch size}."""
     python = pytorch.find_python(FLAGS.pytorch)
-    if pytorch.MODEL not in _models() or python is None:
+    if pytorch.MODEL not in batches or python is None:
         return {}, {}
     print(f"bench: pytorch {pytorch.MODEL}: torchvision in {python}, a subprocess", flush=True)
     turn = FLAGS.round_seconds / len(FLAGS.policies) / len(tables.TRAINERS)  # A turn of one loop in a round.
-    batch = _batch_size(pytorch.MODEL)
-    found, facts = pytorch.rates(python, FLAGS.policies, batch, FLAGS.rounds, turn, FLAGS.max_steps)
+    found, facts = pytorch.rates(python, FLAGS.policies, batches[pytorch.MODEL], FLAGS.rounds, turn, FLAGS.max_steps)
     if found is None:
         print(f"bench: pytorch column left out: {facts}", flush=True)
         return {}, {"left_out": facts}
@@ -174,7 +173,8 @@ def main(argv):
         print(f"bench: error: unknown policy {unknown[0]!r}; choose from {choices}", file=sys.stderr)
         sys.exit(2)
     known = [*runs.models.MODELS, *realsize.MODELS]
-    unknown = [m for m in _models() if m not in known]
+    batches = {name: _batch_size(name) for name in _models()}
+    unknown = [m for m in batches if m not in known]
     if unknown:
         print(f"bench: error: unknown model {unknown[0]!r}; choose from {', '.join(known)}", file=sys.stderr)
         sys.exit(2)
@@ -182,26 +182,28 @@ def main(argv):
         print(f"bench: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
         sys.exit(2)
     os.makedirs(FLAGS.output_dir, exist_ok=True)
-    torch_rows, torch_facts = _pytorch_column()  # Before TensorFlow takes the GPU's memory.
+    torch_rows, torch_facts = _pytorch_column(batches)  # Before TensorFlow takes the GPU's memory.
     strategy = _sparse_strategy(FLAGS.sparse_replicas)  # Before TensorFlow starts its runtime.
     device = precision.device_name()
     print(f"device: {device}", flush=True)
     peaks = _peaks()
     jit = JIT_COMPILE[FLAGS.jit_compile]
     rows = []
-    batches = {name: _batch_size(name) for name in _models()}
     for name, batch in batches.items():
-        rows += runs.bench_model(
+        model_rows = runs.bench_model(
             name, FLAGS.policies, batch, FLAGS.rounds, FLAGS.round_seconds, FLAGS.max_steps, peaks, jit
         )
-        for row in rows:
-            if row["model"] == pytorch.MODEL and row["policy"] in torch_rows:
+        for row in model_rows:
+            if name == pytorch.MODEL and row["policy"] in torch_rows:
                 row["pytorch_examples_per_second"] = torch_rows[row["policy"]]["examples_per_second"]
-        print(tables.table([r for r in rows if r["model"] == name]), flush=True)
+        print(tables.table(model_rows), flush=True)
+        rows += model_rows
     bundled = [n for n in batches if n in runs.models.MODELS]
     choices = (
-        runs.policy_choices(rows, bundled, FLAGS.policies, _batch_size(""), FLAGS.autotune_runs, FLAGS.trial_seconds)
-        if FLAGS.autotune_runs
+        runs.policy_choices(
+            rows, bundled, FLAGS.policies, batches[bundled[0]], FLAGS.autotune_runs, FLAGS.trial_seconds
+        )  # The bundled models share one batch size.
+        if FLAGS.autotune_runs and bundled
         else []
     )
     updates = [micro.update_times(name) for name in FLAGS.update_models]

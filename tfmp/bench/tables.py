@@ -51,7 +51,7 @@ def table(rows):
         "model", "policy", "ex/s", "vs fp32", "possible", "share", "Keras fit ex/s", "tfmp/Keras", "XLA tfmp/Keras",
         "MFU", "peak MB",
     )  # fmt: skip
-    torch = any("pytorch_examples_per_second" in r for r in rows)
+    torch = _has_pytorch(rows)
     head += ("PyTorch AMP ex/s",) if torch else ()
     lines = []
     for r in rows:
@@ -90,6 +90,11 @@ def pytorch_text(facts):
         f"PyTorch AMP: torch {facts['torch']}, torchvision {facts['torchvision']} ResNet-50 (v1.5, channels_last, "
         f"Adam, GradScaler with float16), on {facts['device']}, in a subprocess of the same run"
     )
+
+
+def _has_pytorch(rows):
+    """Whether the tables get PyTorch's column: where any row has a PyTorch rate."""
+    return any("pytorch_examples_per_second" in r for r in rows)
 
 
 def _pytorch_rate(row):
@@ -148,7 +153,7 @@ def plot(rows, path):
 def markdown(result):
     """bench.json's figures as README tables: the rows, then autotune's picks and the sparse check."""
     rows = result["rows"]
-    torch = any("pytorch_examples_per_second" in r for r in rows)
+    torch = _has_pytorch(rows)
     out = (
         []
         if not rows
