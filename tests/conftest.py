@@ -7,6 +7,8 @@ import subprocess
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# On a GPU, each pytest-xdist worker takes GPU memory as it needs it, not all of it.
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras  # noqa: E402
@@ -17,6 +19,13 @@ import tensorflow as tf  # noqa: E402
 # Must happen before TensorFlow initializes its runtime, i.e. before any test runs an op.
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+# Tests compare float32 results to 1e-5 or closer. On Ampere and newer GPUs TensorFlow runs
+# float32 matmuls as TF32 (a 10-bit mantissa) by default, which differs by 1e-4: float32
+# here means float32. (No effect on CPUs.)
+tf.config.experimental.enable_tensor_float_32_execution(False)
+# What the strategy selector and the precision rule find on this machine's devices.
+GPUS = len(tf.config.list_physical_devices("GPU"))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The real datasets (MNIST digits, SST-2 in TFDS format) beside the checkout, where present.
@@ -83,6 +92,35 @@ def no_merge_call():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     strategy.extended._use_merge_call = lambda: False
     return strategy
+
+
+@pytest.fixture
+def cudnn_mask_check(monkeypatch):
+    """Keras' LSTM and GRU check their masks as on a GPU, where they run cuDNN's kernel:
+    a batch holding a fully masked row, or a row not padded on the right, fails with
+    cuDNN's error (Keras' own check, `_assert_valid_mask`); then they run the generic
+    kernel, as on this CPU. Returns the list of the masks checked."""
+    import importlib
+
+    from keras.src import backend
+
+    rnn = importlib.import_module("keras.src.backend.tensorflow.rnn")  # The module, not its function `rnn`.
+    checked = []
+
+    def as_on_a_gpu(kernel, mask_at):
+        def fn(*args, **kwargs):
+            mask = args[mask_at]
+            if mask is not None:
+                rnn._assert_valid_mask(mask)  # noqa: SLF001 - the check cuDNN's path makes.
+                checked.append(mask)
+            return kernel(*args, **kwargs)
+
+        return fn
+
+    # Their CPU versions raise NotImplementedError: the layer then runs the generic kernel.
+    monkeypatch.setattr(backend, "lstm", as_on_a_gpu(backend.lstm, 3))
+    monkeypatch.setattr(backend, "gru", as_on_a_gpu(backend.gru, 2))
+    return checked
 
 
 # Helpers the test files share (import them from conftest).

@@ -31,6 +31,16 @@ def test_shipped_sentiment_is_vectorized():
     assert sum(int(x.shape[0]) for x, _ in ds.test) == 872
 
 
+def test_a_text_with_no_word_reads_as_one_unknown_word():
+    """Not a row of padding, which a masking embedding masks whole (cuDNN refuses that)."""
+    vectorizer = data.make_vectorizer(tf.data.Dataset.from_tensor_slices(["a good film", "bad"]), 10, 5)
+    ids = vectorizer(tf.constant(["a good film", ")", "", "zebra", "bad bad"])).numpy()
+    assert ids[1].tolist() == ids[2].tolist() == [1, 0, 0, 0, 0]  # [UNK], then padding.
+    assert ids[3].tolist() == [1, 0, 0, 0, 0]  # An unknown word was one already.
+    assert (ids[0] > 1).sum() == 3 and ids[4].tolist()[:3] == [ids[4][0], ids[4][0], 0]
+    assert vectorizer.get_vocabulary()[:2] == ["", "[UNK]"]
+
+
 def test_shuffle_is_seeded():
     def first_labels(seed):
         return next(iter(data.load("digits", 16, seed=seed).train))[1].numpy()

@@ -2,6 +2,7 @@ import json
 
 import pytest
 import tensorflow as tf
+from conftest import GPUS
 
 from tfmp import distribute
 from tfmp.errors import UsageError
@@ -16,13 +17,15 @@ def test_default_and_one_device_never_none():
     assert distribute.strategy_name(one) == "one_device"
 
 
-def test_auto_on_cpu_is_default():
-    assert distribute.strategy_name(distribute.get_strategy("auto")) == "default"
+def test_auto_follows_the_devices():
+    expected = "mirrored" if GPUS > 1 else "one_device" if GPUS else "default"
+    assert distribute.strategy_name(distribute.get_strategy("auto")) == expected
 
 
-def test_mirrored_over_logical_cpus():
+def test_mirrored_over_the_gpus_else_the_logical_cpus():
     strategy = distribute.get_strategy("mirrored")
-    assert strategy.num_replicas_in_sync == 2
+    assert strategy.num_replicas_in_sync == (GPUS or 2)  # conftest makes two logical CPU devices.
+    assert all(("GPU" if GPUS else "CPU") in d for d in strategy.extended.worker_devices)
     assert distribute.strategy_name(strategy) == "mirrored"
     assert distribute.is_chief(strategy)
 

@@ -32,7 +32,7 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
     reloaded = keras.models.load_model(tmp_path / "export" / "model.keras")
     (spec,) = loaded.signatures["serving_default"].structured_input_signature[1].values()
     if model == "lstm":
-        sample = tf.constant(["w1 w2 w3", "w7 w9"])  # Raw strings in.
+        sample = tf.constant(["w1 w2 w3", "w7 w9", ")"])  # Raw strings in; ")" holds no word.
         assert spec.dtype == tf.string
     else:
         sample = tf.random.uniform((3, 28, 28, 1))
@@ -41,6 +41,9 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
     assert served.dtype == tf.float32 and served.shape[0] == sample.shape[0]
     np.testing.assert_allclose(served.numpy(), np.asarray(reloaded(sample)), atol=tolerance)
     np.testing.assert_allclose(served.numpy().sum(axis=-1), 1.0, rtol=1e-5)
+    if model == "lstm":  # The reloaded vectorizer reads a text with no word as [UNK], not as padding.
+        vectorizer = next(layer for layer in reloaded.layers if layer.name == "vectorizer")
+        assert list(np.asarray(vectorizer(sample))[2][:2]) == [1, 0]
 
 
 def test_mismatch_is_reported(tmp_path, monkeypatch):

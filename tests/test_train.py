@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import REPO
+from conftest import GPUS, REPO
 
 from tfmp.app import training
 from tfmp.errors import UsageError
@@ -44,7 +44,9 @@ def test_train_binary_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert METRIC_KEYS <= set(metrics)
-    assert metrics["strategy"] == "default" and metrics["replicas"] == 1 and metrics["steps"] == 4
+    # auto: the one GPU where there is one, else the default (CPU) strategy.
+    assert metrics["strategy"] == ("one_device" if GPUS == 1 else "mirrored" if GPUS else "default")
+    assert metrics["replicas"] == max(GPUS, 1) and metrics["steps"] == 4
     assert metrics["examples_per_second"] > 0
     # jit_compile=auto: the hardware rule (GPUs: on, CPUs: off), never a timing.
     rule = "auto: GPUs: on (a rule" if tf.config.list_physical_devices("GPU") else "auto: CPUs: off (a rule"
@@ -81,15 +83,39 @@ def test_mirrored_two_replicas_float16(tmp_path):
         verbose=0,
     )
     metrics = training.train_and_evaluate(config)
+    replicas = GPUS or 2  # Mirrored over the GPUs, else over conftest's two logical CPU devices.
     assert metrics["jit_compile"] is True  # XLA under MirroredStrategy, with loss scaling.
-    assert metrics["replicas"] == 2 and metrics["strategy"] == "mirrored"
-    assert metrics["per_replica_batch_size"] == 8 and metrics["global_batch_size"] == 16
+    assert metrics["replicas"] == replicas and metrics["strategy"] == "mirrored"
+    assert metrics["per_replica_batch_size"] == 16 // replicas and metrics["global_batch_size"] == 16
     assert metrics["policy"] == "mixed_float16" and metrics["final_loss_scale"] is not None
     assert np.isfinite(metrics["test_loss"])
+    if replicas != 2:
+        return
     with pytest.raises(UsageError, match="global batch size 15 does not divide by the 2 replicas"):
         training.train_and_evaluate(
             training.Config(dataset="synthetic", strategy="mirrored", batch_size=15, model_dir=str(tmp_path / "odd"))
         )
+
+
+def test_lstm_feeds_cudnn_no_fully_masked_row(tmp_path, cudnn_mask_check):
+    """A GPU's cuDNN LSTM refuses a batch with a fully masked row, and the shipped SST-2
+    sentences hold two (")" and "(") that hold no word. Every sentence (the stream walks
+    one whole permutation of them before the next), and the test set, through the real
+    training path with cuDNN's mask check."""
+    config = training.Config(
+        model="lstm",
+        precision="float32",
+        batch_size=2048,
+        epochs=2,
+        vocab_size=200,
+        sequence_length=8,
+        model_dir=str(tmp_path),
+        checkpoint_every=0,
+        verbose=0,
+    )
+    metrics = training.train_and_evaluate(config)
+    assert metrics["steps"] * 2048 >= 67349 and cudnn_mask_check  # Every sentence; the check ran.
+    assert np.isfinite(metrics["test_loss"])
 
 
 @pytest.mark.parametrize("model", ["resnet", "transformer"])

@@ -10,6 +10,7 @@ import numpy as np
 
 from tfmp import (
     checkpoint,
+    cudnn,
     decisions,
     distribute,
     float8,
@@ -20,7 +21,7 @@ from tfmp import (
     precision,
     xla,
 )
-from tfmp.errors import PeerLost, UsageError
+from tfmp.errors import PeerLost, TrainingError, UsageError
 from tfmp.run import Run
 from tfmp.steps import Steps
 
@@ -161,8 +162,13 @@ def fit(
         # What was decided, beside what was asked (decisions.json holds it for reruns).
         policy = keras.config.dtype_policy().name
         run.callbacks.set_params({**run.callbacks.params, "jit_compile_reason": why, "dtype_policy": policy})
+        cudnn.warn_before_training(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
+        except cudnn.ERROR as e:
+            if not cudnn.is_mask_error(e):
+                raise
+            raise TrainingError(cudnn.advice(cudnn.masked_cudnn_layers(model) or ["an RNN"])) from e
         except guards.PEER_ERRORS as e:
             if distribute.num_workers(strategy) < 2:
                 raise

@@ -1,6 +1,6 @@
 """Input data: shipped samples, TFDS datasets and synthetic data, as tf.data pipelines."""
 
-from tfmp.data.pipeline import Data, build, make_vectorizer
+from tfmp.data.pipeline import Data, Vectorizer, build, make_vectorizer
 from tfmp.data.sources import SHIPPED, SYNTHETIC, Source, load_source, synthetic
 
 
@@ -10,4 +10,15 @@ def load(name, global_batch, data_dir=None, kind="image", download=True, **pipel
     return build(source, train, test, global_batch, **pipeline_kwargs)
 
 
-__all__ = ["Data", "SHIPPED", "SYNTHETIC", "Source", "build", "load", "load_source", "make_vectorizer", "synthetic"]
+__all__ = [
+    "Data",
+    "SHIPPED",
+    "SYNTHETIC",
+    "Source",
+    "build",
+    "load",
+    "load_source",
+    "Vectorizer",
+    "make_vectorizer",
+    "synthetic",
+]

@@ -33,7 +33,7 @@ class Data:
     global_batch: int
     make_train: typing.Callable
     test: tf.data.Dataset
-    vectorizer: keras.layers.TextVectorization | None = None
+    vectorizer: keras.layers.TextVectorization | None = None  # A `Vectorizer`.
 
     @functools.cached_property
     def train(self):
@@ -50,11 +50,33 @@ def _augment(image, seed):
     return tf.image.stateless_random_flip_left_right(image, seed=seeds[1])
 
 
+@keras.saving.register_keras_serializable(package="tfmp")
+class Vectorizer(keras.layers.TextVectorization):
+    """`TextVectorization` (int ids, right-padded with 0) under which no text is empty:
+    a text with no token (empty, or only punctuation, like SST-2's ")") reads as one
+    unknown word, `[UNK]`, instead of a row of padding.
+
+    A row of padding is fully masked to a `mask_zero` embedding, and cuDNN's RNN kernel
+    (Keras' LSTM and GRU on a GPU) refuses a batch holding one ("You are passing a RNN
+    mask that does not correspond to right-padded sequences"). Training, evaluation and
+    an exported model that takes raw strings all vectorize through this layer, so none
+    meets it.
+    """
+
+    OOV_ID = 1  # TextVectorization's ids: 0 is padding, 1 the out-of-vocabulary token.
+
+    def call(self, inputs):
+        ids = super().call(inputs)
+        if self._output_mode != "int":  # Counts and multi-hot have no padding.
+            return ids
+        empty = tf.reduce_all(tf.equal(ids, 0), axis=-1, keepdims=True)
+        first = tf.equal(tf.range(tf.shape(ids)[-1]), 0)
+        return tf.where(tf.logical_and(empty, first), tf.constant(self.OOV_ID, ids.dtype), ids)
+
+
 def make_vectorizer(texts, vocab_size, sequence_length):
-    """A `TextVectorization` adapted on `texts` (a dataset of strings)."""
-    vectorizer = keras.layers.TextVectorization(
-        max_tokens=vocab_size, output_sequence_length=sequence_length, name="vectorizer"
-    )
+    """A `Vectorizer` adapted on `texts` (a dataset of strings)."""
+    vectorizer = Vectorizer(max_tokens=vocab_size, output_sequence_length=sequence_length, name="vectorizer")
     vectorizer.adapt(texts.batch(1024))
     return vectorizer
 

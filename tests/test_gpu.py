@@ -1,0 +1,94 @@
+"""What only a GPU shows: cuDNN's LSTM, XLA compiling tfmp's real step, the no-merge-call
+branch, Tensor Cores under the mixed policies, peak GPU memory per policy. Every test is
+marked `gpu` and skips, saying so, where TensorFlow sees no GPU (`-m gpu` runs them alone)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny
+
+import tfmp
+from tfmp import data
+from tfmp.app import models, training
+
+pytestmark = pytest.mark.gpu
+
+
+def test_lstm_trains_with_cudnn(tmp_path):
+    """The shipped SST-2 sentences (two hold no word) through the bundled lstm: cuDNN's
+    kernel runs (Keras turns the layer's XLA support off when it does) and nothing refuses."""
+    ds = data.load("sentiment", 256, vocab_size=2000, sequence_length=32, drop_remainder=True)
+    keras.utils.set_random_seed(0)
+    model = models.compile(models.build("lstm", ds), keras.optimizers.Adam(3e-3))
+    history = tfmp.fit(model, ds.train, epochs=1, steps_per_epoch=270, verbose=0)  # Past every sentence.
+    assert model.get_layer("lstm").supports_jit is False  # Set by Keras on cuDNN's path only.
+    assert history.history["accuracy"][-1] > 0.6 and np.isfinite(history.history["loss"]).all()
+
+
+def test_xla_compiles_tfmps_real_training_step():
+    """jit_compile=True on the GPU: the step compiles (no fallback) and trains like no XLA."""
+    keras.config.set_dtype_policy("mixed_float16")
+    strategy = tf.distribute.get_strategy()
+    init = [w.numpy() for w in tiny.build(strategy)[0].weights]
+    weights = {}
+    for jit in (False, True):
+        keras.utils.set_random_seed(0)
+        model, _ = tiny.build(strategy)
+        model.set_weights(init)
+        history = tfmp.fit(model, tiny.dataset(32).make_train, steps_per_epoch=8, jit_compile=jit, verbose=0)
+        assert history.params["jit_compile"] is jit
+        weights[jit] = [w.numpy() for w in model.weights]
+    for a, b in zip(weights[False], weights[True], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3)  # float16 compute, fused differently.
+
+
+def test_no_merge_call_branch_trains_like_one_replica():
+    """XLA under a MirroredStrategy over GPUs takes TensorFlow's no-merge-call branch."""
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    init = [w.numpy() for w in tiny.build(tf.distribute.get_strategy())[0].weights]
+    out = []
+    for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy(gpus[:1])):
+        keras.utils.set_random_seed(0)
+        model, _ = tiny.build(strategy)
+        model.set_weights(init)
+        history = tfmp.fit(
+            model, tiny.dataset(32).make_train, steps_per_epoch=6, strategy=strategy, jit_compile=True, verbose=0
+        )
+        assert history.params["jit_compile"] is True
+        out.append([w.numpy() for w in model.weights])
+    for a, b in zip(*out, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy, dtype", [("mixed_float16", "f16"), ("mixed_bfloat16", "bf16")])
+def test_mixed_policies_run_matmuls_on_tensor_cores(policy, dtype):
+    """A Dense layer's matmul in the compiled HLO is a cuBLAS GEMM on 16-bit operands."""
+    keras.config.set_dtype_policy(policy)
+    layer = keras.layers.Dense(1024)
+    layer.build((None, 1024))
+    hlo = tf.function(layer, jit_compile=True).experimental_get_compiler_ir(tf.ones((256, 1024)))(stage="optimized_hlo")
+    gemms = [line for line in hlo.splitlines() if "__cublas$" in line]
+    assert gemms and all(f"{dtype}[" in line for line in gemms), "\n".join(gemms) or hlo[-3000:]
+
+
+def test_peak_gpu_memory_is_reported_per_policy(tmp_path, capsys):
+    peaks = {}
+    for policy in ("float32", "mixed_float16", "mixed_bfloat16"):
+        tf.config.experimental.reset_memory_stats("GPU:0")
+        config = training.Config(
+            model="cnn",
+            dataset="synthetic",
+            precision=policy,
+            batch_size=256,
+            epochs=1,
+            steps_per_epoch=5,
+            checkpoint_every=0,
+            model_dir=str(tmp_path / policy),
+            verbose=0,
+        )
+        peaks[policy] = training.train_and_evaluate(config)["peak_memory_mb"]
+    with capsys.disabled():
+        print("\npeak GPU memory (MiB):", {k: round(v, 1) for k, v in peaks.items()})
+    assert all(v > 0 for v in peaks.values())
+    assert peaks["mixed_bfloat16"] < peaks["float32"]  # 16-bit activations.
