@@ -233,3 +233,10 @@ def test_float_ops_counts_a_matmul():
         .graph
     )
     assert keras_compat.float_ops(graph) == 2 * 4 * 8 * 3
+
+
+def test_no_merge_call_inside_replica_local_updates_and_back_after(mirrored):
+    extended = mirrored.extended
+    with keras_compat.replica_local_updates([], mirrored):
+        assert extended._use_merge_call() is False
+    assert "_use_merge_call" not in vars(extended) and extended._use_merge_call() is True

@@ -204,27 +204,43 @@ def reduced_applier(optimizer, update_step=None, reduced_flag=None):
 
 
 @contextlib.contextmanager
-def replica_local_updates(variables):
+def replica_local_updates(variables, strategy=None):
     """Inside the block, updates in replica context of those of `variables` that a strategy
     broadcasts from its first replica (an optimizer's iteration count) go to each replica's
     own copy instead. TensorFlow broadcasts them with a merge call even where the strategy
     makes none (XLA on GPUs), and refuses a merge call inside a `cond` branch; tfmp's
     loss-scale `cond` updates the count with every replica on the same branch and the copies
     equal, so each adding its own increment leaves them equal. Tracing only: the variables'
-    aggregation is put back at the end of the block."""
+    aggregation is put back at the end of the block.
+
+    With `strategy`, its replicas also make no merge call inside the block, as under XLA on
+    GPUs (TensorFlow's own no-merge-call branch): each variable update goes to the replica's
+    own copy (`MirroredExtended._replica_ctx_update`). tfmp traces its XLA update function
+    so: a merge call cannot run inside a function called per replica.
+    """
     only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
     changed = []
     for variable in variables:
         value = getattr(variable, "value", variable)  # A Keras variable's tf.Variable.
         if getattr(value, "_aggregation", None) == only_first:
             changed.append(value)
+    extended = strategy.extended if strategy is not None else None
+    own = extended is not None and "_use_merge_call" in vars(extended)
+    previous = vars(extended).get("_use_merge_call") if extended is not None else None
     try:
         for value in changed:
             value._aggregation = tf.VariableAggregation.NONE  # noqa: SLF001
+        if extended is not None:
+            extended._use_merge_call = lambda: False  # noqa: SLF001
         yield
     finally:
         for value in changed:
             value._aggregation = only_first  # noqa: SLF001
+        if extended is not None:
+            if own:
+                extended._use_merge_call = previous  # noqa: SLF001
+            else:
+                del extended._use_merge_call  # Back to the class's.
 
 
 def op_determinism():

@@ -21,17 +21,6 @@ _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
-def _max_over_replicas(context, values):
-    """Each of `values` (dense tensors), its element-wise maximum over the replicas: one
-    all-gather of them all, flattened."""
-    if not values:
-        return []
-    flat = tf.concat([tf.reshape(v, [-1]) for v in values], 0)
-    largest = tf.reduce_max(context.all_gather(flat[tf.newaxis], axis=0), axis=0)
-    sizes = [v.shape.num_elements() for v in values]
-    return [tf.reshape(part, v.shape) for part, v in zip(tf.split(largest, sizes), values, strict=True)]
-
-
 def _batch_size(x):
     return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
 
@@ -104,13 +93,28 @@ class Steps:
         self.compile(jit_compile)
 
     def compile(self, jit_compile):
-        """(Re)creates the compiled steps, with each replica's math under XLA or not."""
+        """(Re)creates the compiled steps, with the update under XLA or not.
+
+        Under XLA, one replica runs its whole update as ONE XLA computation: forward,
+        backward, loss scaling, unscale, finite check and skip, clip, the optimizer's
+        update, metrics and the packed outputs. Several replicas run two per replica,
+        around the one thing XLA cannot hold there, the cross-replica sum: forward and
+        backward, packing every dense gradient into one vector; then, after the all-reduce
+        of that vector (and one all-gather of the float8 state), the rest of the update.
+        Either way the ops run outside XLA per step do not grow with the model's variables.
+        """
         if getattr(self, "_one", None) is not None and self.jit_compile == bool(jit_compile):
             return  # Already so: keep what was traced.
         self.jit_compile = bool(jit_compile)
         jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
-        self.gradients = jit(self.replica_gradients)
+        self.gradients = jit(self.replica_gradients)  # What `tfmp.xla` probes and times.
         self._forward = jit(self._replica_forward)
+        one = self.strategy.num_replicas_in_sync == 1
+        # TPUs compile the whole replica function anyway: there the stages stay plain.
+        self._split = not one and distribute.strategy_name(self.strategy) != "tpu"
+        self._step = jit(self._update) if one else self._update
+        self._compute = jit(self._compute_stage) if self._split else self._compute_stage
+        self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
         self._many = tf.function(self._updates)
         self._test = tf.function(self._test_step, reduce_retracing=True)
@@ -168,7 +172,7 @@ class Steps:
             out[key] = value.reshape(shape) if shape else value.reshape(())[()]
         return out
 
-    def _pack(self, out):
+    def _pack_outputs(self, out):
         """The step's outputs as one int32 vector (floats and int64s bit for bit), so that
         the host reads them with one copy; `read` unpacks them by `_layout`, set here."""
         layout, words = [], []
@@ -216,61 +220,136 @@ class Steps:
             preds.append(y_pred)
         return grads, losses, preds
 
-    def _replica_update(self, batches):
-        optimizer = self.optimizer
-        grads, losses, preds = self.gradients(batches)
+    # One update, as a pipeline: gradients -> all-reduce -> unscale and check -> clip -> apply.
+
+    def _gradients_stage(self, batches):
+        """Each replica: gradients summed over its batches (see `replica_gradients`), the
+        loss tracker and metrics updated; returns (gradients of the trained variables,
+        dense where `_dense` says so, the mean loss)."""
+        grads, losses, preds = self.replica_gradients(batches)
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             self._track_loss(loss, x, skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
-        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]
+        grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
+        return grads, tf.add_n(losses) / len(losses)
+
+    def _kinds(self, grads):
+        """Positions in `grads` of: dense weight gradients (summed over replicas as one
+        packed vector), sparse ones (all-gathered) and float8 state (the maximum)."""
         state = [k for k, i in enumerate(self.applied) if self._state[i]]
-        reduced = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
-        if self.strategy.num_replicas_in_sync > 1:  # IndexedSlices are all-gathered, not densified.
-            context = tf.distribute.get_replica_context()
-            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [reduced[k] for k in weights]) if weights else []
-            for k, g in zip(weights, summed, strict=True):
-                reduced[k] = g
-            for k, g in zip(state, _max_over_replicas(context, [reduced[k] for k in state]), strict=True):
-                reduced[k] = g
-        # One row per index, so that the norm is that of the dense gradient.
-        reduced = [gradients.deduplicate(g) for g in reduced]
-        scale = tf.cast(optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = gradients.global_norm([reduced[k] for k in weights]) / scale  # float8 state is no gradient.
-        # A finite norm means every gradient is finite: the per-variable check (to name the
-        # culprit) runs only when it is not, sparing a pass over all gradients every step.
+        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]
+        sparse = [k for k in weights if isinstance(grads[k], tf.IndexedSlices)]
+        return [k for k in weights if k not in sparse], sparse, state
+
+    def _pack(self, grads):
+        """(one float32 vector of the dense gradients, one of the float8 state, the sparse
+        gradients): what crosses replicas."""
+        dense, sparse, state = self._kinds(grads)
+
+        def flat(positions):
+            parts = [tf.reshape(tf.cast(grads[k], tf.float32), [-1]) for k in positions]
+            return tf.concat(parts, 0) if parts else tf.zeros([0])
+
+        return flat(dense), flat(state), [grads[k] for k in sparse]
+
+    def _unpack(self, dense_flat, state_flat, sparse):
+        """The gradient list `_pack` packed (its shapes and dtypes as traced)."""
+        grads = [None] * len(self.applied)
+        dense, sparse_at, state = self._kinds(self._traced)
+        for positions, flat in ((dense, dense_flat), (state, state_flat)):
+            sizes = [self._traced[k].shape.num_elements() for k in positions]
+            for k, part in zip(positions, tf.split(flat, sizes) if sizes else [], strict=True):
+                grads[k] = tf.cast(tf.reshape(part, self._traced[k].shape), self._traced[k].dtype)
+        for k, g in zip(sparse_at, sparse, strict=True):
+            grads[k] = g
+        return grads
+
+    def _all_reduce(self, dense_flat, state_flat, sparse):
+        """The sum over replicas of the dense and sparse gradients (IndexedSlices are
+        all-gathered, not densified); the maximum of the float8 state."""
+        context = tf.distribute.get_replica_context()
+        if dense_flat.shape[0]:  # An empty collective crashes some implementations.
+            dense_flat = context.all_reduce(tf.distribute.ReduceOp.SUM, dense_flat)
+        if sparse:
+            sparse = context.all_reduce(tf.distribute.ReduceOp.SUM, sparse)
+        if state_flat.shape[0]:
+            state_flat = tf.reduce_max(context.all_gather(state_flat[tf.newaxis], axis=0), axis=0)
+        return dense_flat, state_flat, sparse
+
+    def _unscale_and_check(self, grads):
+        """(gradients with one row per index, their global norm unscaled, per-variable
+        finiteness). A finite norm means every gradient is finite: the per-variable check
+        (to name the culprit) runs only when it is not."""
+        grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
+        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]  # float8 state is no gradient.
+        scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
+        grad_norm = gradients.global_norm([grads[k] for k in weights]) / scale
         finite = tf.cond(
             tf.math.is_finite(grad_norm),
-            lambda: tf.ones([len(reduced)], tf.bool),
-            lambda: tf.stack([gradients.all_finite(g) for g in reduced]),
+            lambda: tf.ones([len(grads)], tf.bool),
+            lambda: tf.stack([gradients.all_finite(g) for g in grads]),
         )
-        if self.clipnorm:
-            factor = self.clipnorm / tf.maximum(grad_norm, self.clipnorm)
-            for k in weights:
-                reduced[k] = gradients.scale(reduced[k], factor)
-        self._applier.apply(reduced, [self.variables[i] for i in self.applied])
-        return tf.add_n(losses) / len(losses), grad_norm, finite
+        return grads, grad_norm, finite
 
-    def _update(self, iterator):
-        batches = tuple(next(iterator) for _ in range(self.grad_accum_steps))
+    def _clip(self, grads, grad_norm):
+        """The weights' gradients scaled so that their global norm is at most `clipnorm`."""
+        if not self.clipnorm:
+            return grads
+        factor = self.clipnorm / tf.maximum(grad_norm, self.clipnorm)
+        return [g if self._state[i] else gradients.scale(g, factor) for g, i in zip(grads, self.applied, strict=True)]
+
+    def _apply_reduced(self, grads):
+        """Unscale and check, clip, apply (skipped on every replica if any gradient is not
+        finite, under loss scaling): the same on every replica, from the same gradients."""
+        grads, grad_norm, finite = self._unscale_and_check(grads)
+        self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
+        return grad_norm, finite
+
+    def _trace(self, grads):
+        self._traced = grads  # What `_unpack` rebuilds: shapes, dtypes, kinds (set when tracing).
+        return grads
+
+    def _compute_stage(self, batches):
+        grads, loss = self._gradients_stage(batches)
+        return (*self._pack(self._trace(grads)), loss)
+
+    def _apply_stage(self, dense_flat, state_flat, sparse):
+        if not self._split or not self.jit_compile:
+            return self._apply_reduced(self._unpack(dense_flat, state_flat, sparse))
+        # Under XLA no merge call can run inside this function: each replica updates its
+        # own copies, from the same reduced gradients, so the copies stay equal.
+        with keras_compat.replica_local_updates(self._applier.variables, self.strategy):
+            return self._apply_reduced(self._unpack(dense_flat, state_flat, sparse))
+
+    def _replica_update(self, batches):
+        if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
+            grads, loss = self._gradients_stage(batches)
+            return (loss, *self._apply_reduced(grads))
+        *packed, loss = self._compute(batches)
+        return (loss, *self._apply(*self._all_reduce(*packed)))
+
+    def _update(self, batches):
+        """One update from `batches`, and the step's outputs packed (`_pack_outputs`)."""
         loss, grad_norm, finite = self.strategy.run(self._replica_update, args=(batches,))
         first = self.strategy.experimental_local_results
-        return {
+        out = {
             "step_loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
             # Every replica computed these from the same all-reduced gradients.
             "grad_norm": first(grad_norm)[0],
             "finite": first(finite)[0],
         }
-
-    def _updates(self, iterator):
-        out = self._update(iterator)
-        for _ in tf.range(self.steps_per_execution - 1):
-            out = self._update(iterator)
         return self._with_state(out)
 
     def _single(self, iterator):
-        return self._with_state(self._update(iterator))
+        return self._step(tuple(next(iterator) for _ in range(self.grad_accum_steps)))
+
+    def _updates(self, iterator):
+        out = self._single(iterator)
+        for _ in tf.range(self.steps_per_execution - 1):
+            out = self._single(iterator)
+        return out
 
     def _with_state(self, out):
         # Read inside the compiled call, so the host needs no extra variable reads per step.
@@ -279,7 +358,11 @@ class Steps:
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
         out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
-        return self._pack(out)
+        return self._pack_outputs(out)
+
+    def update_graph(self, iterator):
+        """The graph of one update from `iterator` (traced, not run; see `xla.ops_outside_xla`)."""
+        return self._one.get_concrete_function(iterator).graph
 
     def results(self):
         """The model's metric results, summed over replicas and workers."""

@@ -229,3 +229,37 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
         chosen_now = jit_compile == "autotune" and directory is not None and entry is None
     decisions.say_if_different(directory, "XLA", entry, use, _show)
     return use, why, chosen_now
+
+
+_CALLS = ("f", "then_branch", "else_branch", "cond", "body")  # Attributes naming a called function.
+_NOT_RUN = ("Placeholder", "_Arg", "_Retval", "NoOp", "Const")  # Arguments and constants, not work.
+
+
+def ops_outside_xla(graph):
+    """The TensorFlow ops a traced step runs one by one, outside XLA, per call.
+
+    Counts the ops of `graph` (a concrete function's), into the functions and control-flow
+    branches it calls that are not XLA-compiled; a call of an XLA-compiled function is one
+    op. Arguments and constants are not counted. A static count of the step as traced:
+    what the host dispatches each step, before Grappler's rewrites.
+    """
+    definition = graph.as_graph_def()
+    library = {f.signature.name: f for f in definition.library.function}
+
+    def count(nodes):
+        total = 0
+        for node in nodes:
+            if node.op in _NOT_RUN:
+                continue
+            total += 1
+            if "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b:
+                continue  # One XLA computation.
+            called = [
+                node.attr[k].func.name for k in ("f", "then_branch", "else_branch", "cond", "body") if k in node.attr
+            ]
+            if "branches" in node.attr:
+                called += [f.name for f in node.attr["branches"].list.func]
+            total += sum(count(library[name].node_def) for name in called if name in library)
+        return total
+
+    return count(definition.node)
