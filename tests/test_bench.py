@@ -30,7 +30,8 @@ def test_bench_writes_figures(tmp_path):
             "--autotune_runs=1",
             "--trial_seconds=2",
             "--sparse_vocab=500",  # One replica: the check says it is skipped (in-process below).
-            "--overhead_rounds=2",
+            "--overhead_rounds=1",
+            "--overhead_layers=2",
             "--update_models=",
             f"--output_dir={tmp_path}",
         ],
@@ -57,7 +58,16 @@ def test_bench_writes_figures(tmp_path):
     (choice,) = bench["choices"]
     assert choice["picks"][0]["policy"] in rows and 0 < choice["picks"][0]["vs_fastest"] <= 1
     assert bench["sparse"] == []
-    assert bench["overhead"]["rounds"] == 2 and bench["overhead"]["tfmp_ms"] > 0 and bench["overhead"]["keras_ms"] > 0
+    costs = bench["overhead"]
+    assert costs["rounds"] == 1 and costs["variables"] == 4 and len(costs["cells"]) == 12 and costs["geomean"] > 0
+    assert {(c["policy"], c["xla"], c["optimizer"]) for c in costs["cells"]} == {
+        (p, x, o)
+        for p in ("float32", "mixed_bfloat16", "mixed_float16")
+        for x in (False, True)
+        for o in ("SGD", "Adam")
+    }
+    assert all(c["tfmp_ms"] > 0 and c["keras_ms"] > 0 for c in costs["cells"])
+    assert "| mixed_float16 | on | Adam |" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").stat().st_size > 5000
     assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
     assert "tfmp/Keras" in result.stdout and "autotune picked" in result.stdout

@@ -25,29 +25,48 @@ def _calls_per_second(fn, calls):
     return calls / (time.perf_counter() - start)
 
 
-def loop_overhead(rounds, steps_per_turn=100):
-    """Milliseconds per step of tfmp.fit and of Keras fit on a model whose step costs almost
-    nothing (a 16-32-10 MLP, batch 32): what each training loop adds to every step, the
-    only difference left where both run the same kernels. Medians over alternating rounds."""
-    keras.backend.clear_session()
+LOOP_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+LOOP_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adam": keras.optimizers.Adam}
+
+
+def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
+    """Milliseconds per step of tfmp.fit and of Keras fit on a deep, narrow MLP (`layers`
+    Dense layers of width 16, batch 32: 2 variables a layer, each step's math small), where
+    the loops' own cost per variable shows: 12 cells, float32 / mixed_bfloat16 /
+    mixed_float16 x XLA on / off x SGD / Adam, the same setting in both loops. Each cell:
+    the median over `rounds` alternating rounds of each loop's median step time."""
     rng = np.random.default_rng(0)
     x = rng.random((1024, 16), dtype=np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
 
     def build():
-        layers = [keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10, activation="softmax")]
-        return keras.Sequential([keras.Input((16,)), *layers])
+        hidden = [keras.layers.Dense(16, activation="relu") for _ in range(layers - 1)]
+        return keras.Sequential([keras.Input((16,)), *hidden, keras.layers.Dense(10, activation="softmax")])
 
-    runners = {t: FitRunner(t, "float32", build, dataset, 32, jit_compile=False) for t in TRAINERS}
-    for runner in runners.values():
-        runner.run(5)  # Trace and warm up.
-    times = {t: [] for t in TRAINERS}
-    for round_index in range(rounds):
-        for trainer, runner in timing.in_turn(runners, round_index):
-            runner.step_times = []
-            runner.run(steps_per_turn)
-            times[trainer].append(1e3 * statistics.median(runner.step_times))
-    return {"rounds": rounds, **{f"{t}_ms": statistics.median(v) for t, v in times.items()}}
+    cells = []
+    for policy in LOOP_POLICIES:
+        for xla_on in (False, True):
+            for name, optimizer in LOOP_OPTIMIZERS.items():
+                keras.backend.clear_session()
+                runners = {t: FitRunner(t, policy, build, dataset, 32, xla_on, optimizer) for t in TRAINERS}
+                for runner in runners.values():
+                    runner.run(3)  # Trace, compile and warm up.
+                times = {t: [] for t in TRAINERS}
+                for round_index in range(rounds):
+                    for trainer, runner in timing.in_turn(runners, round_index):
+                        runner.step_times = []
+                        runner.run(steps_per_turn)
+                        times[trainer].append(1e3 * statistics.median(runner.step_times))
+                cell = {"policy": policy, "xla": xla_on, "optimizer": name}
+                cell.update({f"{t}_ms": statistics.median(v) for t, v in times.items()})
+                cell["speedup"] = cell["keras_ms"] / cell["tfmp_ms"]
+                cells.append(cell)
+                say(
+                    f"loop cost, {policy}, XLA {'on' if xla_on else 'off'}, {name}: tfmp.fit {cell['tfmp_ms']:.2f} ms, "
+                    f"Keras fit {cell['keras_ms']:.2f} ms per step ({cell['speedup']:.2f}x)"
+                )
+    geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cells))
+    return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean}
 
 
 def update_times(name, rounds=5, calls_per_turn=3):

@@ -27,7 +27,7 @@ class FitRunner:
     `callbacks.Throughput`).
     """
 
-    def __init__(self, trainer, policy, build, dataset, batch_size, jit_compile):
+    def __init__(self, trainer, policy, build, dataset, batch_size, jit_compile, optimizer=keras.optimizers.Adam):
         keras.config.set_dtype_policy(precision.FLOAT8_BASE if policy == "float8" else policy)
         keras.utils.set_random_seed(0)
         self.model = build()
@@ -35,9 +35,13 @@ class FitRunner:
             float8.quantize(self.model)  # tfmp's choice of layers: the heads stay in bfloat16.
         elif policy == "float8":
             self.model.quantize("float8")  # As a Keras user does: every Dense and EinsumDense.
-        optimizer = keras.optimizers.Adam(1e-3)
-        # Keras wraps its own LossScaleOptimizer under mixed_float16, as a Keras user gets it.
-        models.compile(self.model, loss_scale.wrap_optimizer(optimizer) if trainer == "tfmp" else optimizer)
+        optimizer = optimizer(1e-3)
+        # Keras wraps its own LossScaleOptimizer under mixed_float16, as a Keras user gets it;
+        # its XLA is set as asked where asked (True or False), else left to Keras ("auto").
+        keras_jit = jit_compile if isinstance(jit_compile, bool) and trainer == "keras" else "auto"
+        models.compile(
+            self.model, loss_scale.wrap_optimizer(optimizer) if trainer == "tfmp" else optimizer, jit_compile=keras_jit
+        )
         self.trainer, self.policy, self.dataset, self.batch_size = trainer, policy, dataset, batch_size
         self.jit_compile = jit_compile
         self.rates, self.step_times, self.loss, self.memory, self.jit_used = [], [], math.nan, 0, None

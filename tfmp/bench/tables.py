@@ -192,13 +192,7 @@ def markdown(result):
             fastest = f"{c['fastest']} ({gain:.2f}x" + (f" ±{error:.2f})" if error else ")") if gain else c["fastest"]
             out.append(f"| {c['model']} | {fastest} | {picks} |")
     if result.get("overhead"):
-        o = result["overhead"]
-        out += [
-            "",
-            "| training loop's cost per step (MLP, batch 32) | tfmp.fit | Keras fit |",
-            "|---|---|---|",
-            f"| median of {o['rounds']} alternating rounds | {o['tfmp_ms']:.2f} ms | {o['keras_ms']:.2f} ms |",
-        ]
+        out += ["", *loop_cost_table(result["overhead"])]
     if result.get("updates"):
         out += ["", "| Adam update, float32 | parameters | Keras | tfmp (fused) | speedup |", "|---|---|---|---|---|"]
         for u in result["updates"]:
@@ -217,3 +211,20 @@ def markdown(result):
             dense, sparse = f"{s['dense_ms']:.1f} ms", f"{s['sparse_ms']:.1f} ms"
             out.append(f"| {s['vocab_size']:,} | {s.get('replicas', 1)} | {dense} | {sparse} | {s['speedup']:.2f}x |")
     return "\n".join(out)
+
+
+def loop_cost_table(costs):
+    """The loop-cost cells as Markdown: ms per step in each loop and tfmp's speed over Keras'."""
+    out = [
+        f"| loop cost per step ({costs['layers']}-layer MLP, {costs['variables']} variables, batch 32, median of "
+        f"{costs['rounds']} alternating rounds) | XLA | optimizer | Keras fit | tfmp.fit | tfmp / Keras (speed) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in costs["cells"]:
+        xla = "on" if c["xla"] else "off"
+        out.append(
+            f"| {c['policy']} | {xla} | {c['optimizer']} | {c['keras_ms']:.2f} ms | {c['tfmp_ms']:.2f} ms "
+            f"| {c['speedup']:.2f}x |"
+        )
+    out.append(f"| geometric mean | | | | | {costs['geomean']:.2f}x |")
+    return out

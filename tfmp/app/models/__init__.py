@@ -41,12 +41,14 @@ def build(name, ds, sequence_length=None):
     return entry.build(source.num_classes, vocab_size=ds.vectorizer.vocabulary_size(), sequence_length=length)
 
 
-def compile(model, optimizer, steps_per_execution=1):  # noqa: A001 - Keras' word for it.
-    """Compiles a bundled classifier (float32 probabilities out) with its loss and metric."""
+def compile(model, optimizer, steps_per_execution=1, jit_compile="auto"):  # noqa: A001 - Keras' word for it.
+    """Compiles a bundled classifier (float32 probabilities out) with its loss and metric
+    (`jit_compile`: Keras' own, for `model.fit`; tfmp.fit takes its own)."""
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(),
         metrics=["accuracy"],
         steps_per_execution=steps_per_execution,
+        jit_compile=jit_compile,
     )
     return model
