@@ -30,13 +30,11 @@ def values(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
-def global_norm(grads):
-    """The global L2 norm, in float32, of gradients whose IndexedSlices are deduplicated.
-
-    `l2_loss` (sum of squares / 2) is one fused pass over each gradient: BERT-base's 110M
-    gradients take 16 ms on a 2-core CPU, against 28 ms squared and then summed.
-    """
-    return tf.sqrt(2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(values(g), tf.float32)) for g in grads]))
+def half_squares(g):
+    """Half the sum of the squares of a gradient's numbers, in float32 (IndexedSlices
+    deduplicated first): `l2_loss`, one fused pass over it. BERT-base's 110M gradients take
+    16 ms on a 2-core CPU, against 28 ms squared and then summed."""
+    return tf.nn.l2_loss(tf.cast(values(g), tf.float32))
 
 
 def scale(g, factor):
@@ -44,8 +42,3 @@ def scale(g, factor):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
     return g * tf.cast(factor, g.dtype)
-
-
-def all_finite(g):
-    """Whether every number in `g` is finite."""
-    return tf.reduce_all(tf.math.is_finite(values(g)))

@@ -97,9 +97,10 @@ def fit(
             steps, gradient norm, examples/s, memory) and history.csv go here every
             `log_every` batches. Default: `checkpoint_dir`, if given.
         log_every: batches between TensorBoard writes.
-        jit_compile: run each replica's forward and backward passes as one XLA
-            computation, under any strategy (the all-reduce, clipping and update stay
-            outside it). "auto": a rule, the same every run: on GPUs and TPUs, not on
+        jit_compile: run the whole update as one XLA computation on one device
+            (forward, backward, loss scaling, the finite check, clipping, the optimizer,
+            metrics); under a strategy, two per replica around the all-reduce of one
+            packed gradient vector. "auto": a rule, the same every run: on GPUs and TPUs, not on
             CPUs. "autotune" measures both ways before training (alternating rounds, up
             to 15 s, said before they run) and keeps XLA only where it is clearly faster;
             the choice is recorded in the run's directory (`log_dir`, else

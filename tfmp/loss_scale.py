@@ -32,6 +32,9 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # Set by `tfmp.fit`'s steps while they run: the gradients are already all-reduced (the
     # same on every replica), so the overflow flag needs no all-reduce of its own.
     gradients_reduced = False
+    # Set by `tfmp.fit`'s steps while they apply: whether every gradient is finite, which
+    # they computed already (from each gradient's sum of squares); None: check here.
+    all_finite = None
 
     def _tf_apply(self, grads, trainable_variables=None):
         replica_ctx = tf.distribute.get_replica_context()
@@ -67,7 +70,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         replica_ctx.merge_call(cross_replica, args=(finite, grads, trainable_variables))
 
     def _finite_on_every_replica(self, replica_ctx, grads):
-        local_bad = ops.cast(ops.logical_not(self.check_finite(grads)), "float32")
+        finite = self.check_finite(grads) if self.all_finite is None else self.all_finite
+        local_bad = ops.cast(ops.logical_not(finite), "float32")
         if replica_ctx.num_replicas_in_sync > 1 and not self.gradients_reduced:
             local_bad = replica_ctx.all_reduce(tf.distribute.ReduceOp.SUM, local_bad)
         return ops.equal(local_bad, 0.0)

@@ -40,9 +40,8 @@ class Steps:
         grad_accum_steps: batches whose gradients are summed into one update.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
         steps_per_execution: updates per call of `train` when the epoch has room for them.
-        jit_compile: run each replica's forward and backward passes (and evaluation's
-            forward pass) as one XLA computation. The all-reduce, clipping and the
-            optimizer's update stay outside it, where every strategy supports them.
+        jit_compile: run the update under XLA (see `compile`), and evaluation's forward
+            pass.
         sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
             accumulation, all-reduce, the overflow check and clipping (not on TPUs,
             whose all-reduce takes dense tensors; on one replica, only where the update
@@ -117,6 +116,7 @@ class Steps:
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
         self._many = tf.function(self._updates)
+        self._concrete = {}  # (updates > 1, iterator id) -> (iterator, its traced step): called directly.
         self._test = tf.function(self._test_step, reduce_retracing=True)
 
     def _fall_back(self, error):
@@ -154,12 +154,24 @@ class Steps:
     def dispatch(self, iterator, updates=1):
         """Queues `updates` updates from `iterator` on the device and returns at once, with
         what they will return packed into one tensor (see `read`): nothing here waits for
-        the device."""
-        fn = self._many if updates > 1 else self._one
-        out = self._first_call(fn, iterator)
-        if out is _FAILED:  # XLA failed to compile: the same update without it.
-            out = (self._many if updates > 1 else self._one)(iterator)
-        return out
+        the device.
+
+        The traced step is called directly (its concrete function, kept per iterator):
+        `tf.function`'s dispatch would hash every argument and capture again each step.
+        """
+        key = (updates > 1, id(iterator))
+        kept = self._concrete.get(key)
+        if kept is None:
+            fn = self._many if updates > 1 else self._one
+            out = self._first_call(fn, iterator)
+            if out is _FAILED:  # XLA failed to compile: the same update without it.
+                return self.dispatch(iterator, updates)
+            if len(self._concrete) > 8:  # Iterators of epochs gone.
+                self._concrete.clear()
+            # The iterator is kept with it, so that its id names no other while kept.
+            self._concrete[key] = iterator, fn.get_concrete_function(iterator)
+            return out
+        return kept[1](iterator)
 
     def read(self, packed):
         """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""
@@ -280,18 +292,15 @@ class Steps:
 
     def _unscale_and_check(self, grads):
         """(gradients with one row per index, their global norm unscaled, per-variable
-        finiteness). A finite norm means every gradient is finite: the per-variable check
-        (to name the culprit) runs only when it is not."""
+        finiteness). One pass over each gradient gives both: its sum of squares, finite
+        where the gradient is (or, past 1e19, where it overflows float32: then the norm is
+        not finite either). No cond: one around every gradient would add an op for each."""
         grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
+        squares = tf.stack([gradients.half_squares(g) for g in grads])
         weights = [k for k, i in enumerate(self.applied) if not self._state[i]]  # float8 state is no gradient.
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = gradients.global_norm([grads[k] for k in weights]) / scale
-        finite = tf.cond(
-            tf.math.is_finite(grad_norm),
-            lambda: tf.ones([len(grads)], tf.bool),
-            lambda: tf.stack([gradients.all_finite(g) for g in grads]),
-        )
-        return grads, grad_norm, finite
+        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, weights))) / scale
+        return grads, grad_norm, tf.math.is_finite(squares)
 
     def _clip(self, grads, grad_norm):
         """The weights' gradients scaled so that their global norm is at most `clipnorm`."""
@@ -304,7 +313,13 @@ class Steps:
         """Unscale and check, clip, apply (skipped on every replica if any gradient is not
         finite, under loss scaling): the same on every replica, from the same gradients."""
         grads, grad_norm, finite = self._unscale_and_check(grads)
-        self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
+        if self.scaled:  # The loss-scale wrapper skips the step on this, not on a check of its own.
+            object.__setattr__(self._applier, "all_finite", tf.reduce_all(finite))
+        try:
+            self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
+        finally:
+            if self.scaled:
+                object.__setattr__(self._applier, "all_finite", None)
         return grad_norm, finite
 
     def _trace(self, grads):
