@@ -72,7 +72,8 @@ def test_bench_writes_figures(tmp_path):
     assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
     assert "tfmp/Keras" in result.stdout and "autotune picked" in result.stdout
     assert "sparse check skipped" in result.stdout
-    assert "training loop's cost per step" in result.stdout
+    assert "training loop's cost: tfmp.fit / Keras fit speed, geometric mean" in result.stdout
+    assert "loop cost, mixed_float16, XLA on, Adam: tfmp.fit " in result.stdout  # A line per cell as it ends.
     # Progress: a line as each fit warms up and after each round, with the time left.
     for policy in ("float32", "mixed_bfloat16"):
         for loop_name in ("tfmp.fit", "Keras fit"):
