@@ -100,9 +100,10 @@ def fit(
         jit_compile: run the whole update as one XLA computation on one device
             (forward, backward, loss scaling, the finite check, clipping, the optimizer,
             metrics); under a strategy, two per replica around the all-reduce of one
-            packed gradient vector. "auto": a rule, the same every run: on GPUs and TPUs, not on
-            CPUs. "autotune" measures both ways before training (alternating rounds, up
-            to 15 s, said before they run) and keeps XLA only where it is clearly faster;
+            packed gradient vector. "auto": a rule, the same every run: on GPUs and
+            TPUs; on CPUs only for float16 compute (measured: BENCHMARKS.md).
+            "autotune" measures both ways before training (alternating rounds, up to
+            15 s, said before they run) and keeps XLA only where it is clearly faster;
             the choice is recorded in the run's directory (`log_dir`, else
             `checkpoint_dir`: its decisions.json) and taken again by a resumed run or a
             rerun there, so that both train alike. A model XLA cannot compile trains

@@ -44,7 +44,7 @@ class Config:
     checkpoint_every: int = 200  # Steps between checkpoints; 0 turns checkpointing off.
     log_every: int = 10  # Steps between TensorBoard writes.
     export_dir: str | None = None
-    jit_compile: str = "auto"  # XLA: auto (GPUs and TPUs: on; CPUs: off), autotune (measured), true or false.
+    jit_compile: str = "auto"  # XLA: auto (GPUs and TPUs: on; CPUs: float16 only), autotune (measured), true or false.
     trial_seconds: float | None = None  # The precision trial's alternating rounds (None: autotune's default).
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
