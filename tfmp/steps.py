@@ -299,7 +299,7 @@ class Steps:
         squares = tf.stack([gradients.half_squares(g) for g in grads])
         weights = [k for k, i in enumerate(self.applied) if not self._state[i]]  # float8 state is no gradient.
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, weights))) / scale
+        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, tf.constant(weights, tf.int32)))) / scale
         return grads, grad_norm, tf.math.is_finite(squares)
 
     def _clip(self, grads, grad_norm):
