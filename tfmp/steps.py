@@ -8,6 +8,8 @@ and applied. Under loss scaling the update is skipped on every replica when any 
 gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -106,12 +108,13 @@ class Steps:
             return  # Already so: keep what was traced.
         self.jit_compile = bool(jit_compile)
         jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
-        self.gradients = jit(self.replica_gradients)  # What `tfmp.xla` probes and times.
+        self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
         one = self.strategy.num_replicas_in_sync == 1
         # TPUs compile the whole replica function anyway: there the stages stay plain.
         self._split = not one and distribute.strategy_name(self.strategy) != "tpu"
-        self._step = jit(self._update) if one else self._update
+        self._step = jit(self._packed_update) if one else self._packed_update
+        self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
@@ -247,11 +250,15 @@ class Steps:
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
         return grads, tf.add_n(losses) / len(losses)
 
+    def _weights(self):
+        """Positions among the applied gradients of the weights' (float8 state is no gradient)."""
+        return [k for k, i in enumerate(self.applied) if not self._state[i]]
+
     def _kinds(self, grads):
         """Positions in `grads` of: dense weight gradients (summed over replicas as one
         packed vector), sparse ones (all-gathered) and float8 state (the maximum)."""
         state = [k for k, i in enumerate(self.applied) if self._state[i]]
-        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]
+        weights = self._weights()
         sparse = [k for k in weights if isinstance(grads[k], tf.IndexedSlices)]
         return [k for k in weights if k not in sparse], sparse, state
 
@@ -297,9 +304,8 @@ class Steps:
         not finite either). No cond: one around every gradient would add an op for each."""
         grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
         squares = tf.stack([gradients.half_squares(g) for g in grads])
-        weights = [k for k, i in enumerate(self.applied) if not self._state[i]]  # float8 state is no gradient.
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, tf.constant(weights, tf.int32)))) / scale
+        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, tf.constant(self._weights(), tf.int32)))) / scale
         return grads, grad_norm, tf.math.is_finite(squares)
 
     def _clip(self, grads, grad_norm):
@@ -331,11 +337,14 @@ class Steps:
         return (*self._pack(self._trace(grads)), loss)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
-        if not self._split or not self.jit_compile:
-            return self._apply_reduced(self._unpack(dense_flat, state_flat, sparse))
         # Under XLA no merge call can run inside this function: each replica updates its
         # own copies, from the same reduced gradients, so the copies stay equal.
-        with keras_compat.replica_local_updates(self._applier.variables, self.strategy):
+        local = self._split and self.jit_compile
+        with (
+            keras_compat.replica_local_updates(self._applier.variables, self.strategy)
+            if local
+            else contextlib.nullcontext()
+        ):
             return self._apply_reduced(self._unpack(dense_flat, state_flat, sparse))
 
     def _replica_update(self, batches):
@@ -346,8 +355,12 @@ class Steps:
         return (loss, *self._apply(*self._all_reduce(*packed)))
 
     def _update(self, batches):
+        """One update from `batches`; returns its (loss, grad_norm, finite) per replica."""
+        return self.strategy.run(self._replica_update, args=(batches,))
+
+    def _packed_update(self, batches):
         """One update from `batches`, and the step's outputs packed (`_pack_outputs`)."""
-        loss, grad_norm, finite = self.strategy.run(self._replica_update, args=(batches,))
+        loss, grad_norm, finite = self._update(batches)
         first = self.strategy.experimental_local_results
         out = {
             "step_loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
@@ -357,14 +370,17 @@ class Steps:
         }
         return self._with_state(out)
 
+    def _batches(self, iterator):
+        return tuple(next(iterator) for _ in range(self.grad_accum_steps))
+
     def _single(self, iterator):
-        return self._step(tuple(next(iterator) for _ in range(self.grad_accum_steps)))
+        return self._step(self._batches(iterator))
 
     def _updates(self, iterator):
-        out = self._single(iterator)
+        # The same updates in the same order; only the last one's outputs are read and packed.
         for _ in tf.range(self.steps_per_execution - 1):
-            out = self._single(iterator)
-        return out
+            self._quiet_step(self._batches(iterator))
+        return self._single(iterator)
 
     def _with_state(self, out):
         # Read inside the compiled call, so the host needs no extra variable reads per step.

@@ -58,7 +58,9 @@ def replica_batch(element_spec, replicas, default_batch=8):
 
 def probe(steps, batches):
     """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
-    fn = tf.function(steps.replica_gradients, jit_compile=True)  # The function Steps compiles.
+    # The forward and backward passes, as Steps compiles them; the rest of the update is
+    # plain arithmetic and the optimizer, and a failure there falls back at the first step.
+    fn = tf.function(steps.replica_gradients, jit_compile=True)
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
         fn.experimental_get_compiler_ir(b)(stage="hlo")
