@@ -76,11 +76,8 @@ def _reset_policy():
 @pytest.fixture(scope="session")
 def mirrored():
     """A real MirroredStrategy over the two logical CPU devices, with its default
-    (collective) all-reduce.
-
-    One per session: each new MirroredStrategy numbers its collective instances from the
-    same start, and two strategies over the same devices in one process collide.
-    """
+    (collective) all-reduce; one per session, made once (tests/test_one_process.py makes
+    new ones)."""
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
@@ -88,7 +85,6 @@ def mirrored():
 def no_merge_call():
     """A MirroredStrategy whose replicas never merge (what XLA on GPUs and TPUs use), made
     on the two logical CPU devices the way TensorFlow's own tests make one."""
-    tf.distribute.MirroredStrategy._collective_key_base += 100000  # Keys apart from `mirrored`'s.
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     strategy.extended._use_merge_call = lambda: False
     return strategy

@@ -64,20 +64,21 @@ def _tpu_strategy(tpu):
 
 
 def _mirrored_strategy():
-    # Each MirroredStrategy numbers its collective instances from its class's key base: a
-    # second one in the same process (a notebook that trains twice) would reuse the
-    # first one's keys and fail with "Shape mismatch in the collective instance". A fresh
-    # base per strategy keeps them apart (TensorFlow's own tests do the same).
-    keras_compat.new_collective_keys()
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
+    strategy = None
     if gpus:
-        return tf.distribute.MirroredStrategy([d.name for d in gpus])
-    if len(cpus) > 1:
+        strategy = tf.distribute.MirroredStrategy([d.name for d in gpus])
+    elif len(cpus) > 1:
         # Logical CPU devices: how tests and laptops exercise a real multi-replica setup.
-        return tf.distribute.MirroredStrategy(
+        strategy = tf.distribute.MirroredStrategy(
             [d.name for d in cpus], cross_device_ops=tf.distribute.ReductionToOneDevice()
         )
+    if strategy:
+        # A second MirroredStrategy in one process (a notebook that trains twice) would
+        # reuse the first one's collective keys (keras_compat.own_collective_keys).
+        keras_compat.own_collective_keys(strategy)
+        return strategy
     raise UsageError(
         "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
         "none; use --strategy=default on one CPU"

@@ -7,7 +7,7 @@ received and returned (the doctor needs these, on any model, without copying it)
 building a model with its compiled loss and metrics from a data spec, for the loss
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
 variables (tfmp's fused updates). TensorFlow keeps private a strategy's worker count,
-whether op determinism is on, MirroredStrategy's collective key base, a variable's
+whether op determinism is on, MirroredStrategy's collective keys, a variable's
 aggregation (set aside while tfmp's loss-scale cond counts an update where no merge call
 may run) and the FLOP profiler the bench uses.
 
@@ -18,6 +18,7 @@ changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
 """
 
 import contextlib
+import weakref
 
 import keras
 import tensorflow as tf
@@ -59,11 +60,42 @@ def trained_variables(optimizer):
     return optimizer._trainable_variables  # noqa: SLF001
 
 
-def new_collective_keys():
-    """Moves MirroredStrategy's collective key base on, so that the next MirroredStrategy
-    in this process does not reuse the keys of one made before (TensorFlow's own tests do
-    the same)."""
-    tf.distribute.MirroredStrategy._collective_key_base += 100000  # noqa: SLF001
+_KEY_STRIDE = 100000  # Group keys one MirroredStrategy may take (one per device set it reduces over).
+_keyed = weakref.WeakSet()  # The MirroredStrategies given keys of their own.
+
+
+def own_collective_keys(strategy):
+    """Gives a `MirroredStrategy` collective keys that no other strategy of this process
+    has used, once; other strategies are left as they are.
+
+    Every MirroredStrategy numbers its collective groups from its class's
+    `_collective_key_base` (0 unless a test moves it) and its instances from 100, and
+    TensorFlow's runtime keeps what it learnt of each (group, instance) pair, shapes
+    included, for the life of the process. A second strategy (a notebook that trains two
+    models) reuses the first one's keys and fails with "Shape mismatch in the collective
+    instance 100" (tensorflow/tensorflow#62790). Its collective ops are remade from a fresh
+    base here, before anything is traced with them, and the class's base is moved past it
+    so that a strategy made later, even one tfmp never sees, starts elsewhere too.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy in _keyed:
+        return
+    extended = strategy.extended
+    old = getattr(extended, "_collective_ops", None)
+    if old is None or not hasattr(extended, "_make_collective_ops_with_fallbacks"):
+        return
+    mirrored = tf.distribute.MirroredStrategy
+    base = max(mirrored._collective_key_base, extended._collective_key_base) + _KEY_STRIDE  # noqa: SLF001
+    mirrored._collective_key_base = base + _KEY_STRIDE  # noqa: SLF001
+    extended._collective_key_base = base  # noqa: SLF001
+    extended._collective_ops = extended._make_collective_ops_with_fallbacks()  # noqa: SLF001
+    if extended._cross_device_ops is old:  # noqa: SLF001
+        extended._cross_device_ops = extended._collective_ops  # noqa: SLF001
+    _keyed.add(strategy)
+
+
+def collective_group_keys(strategy):
+    """The group keys a MirroredStrategy's collective all-reduce uses (for tests)."""
+    return sorted(strategy.extended._collective_keys._known_groups.values())  # noqa: SLF001
 
 
 def sublayers(model):

@@ -110,9 +110,12 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
             is not an integer >= 1.
     """
     if initial_scale is not None and not (0 < initial_scale < float("inf")):
-        raise UsageError(f"loss scale initial value must be a positive finite number, got {initial_scale}")
+        raise UsageError(f"wrap_optimizer: initial_scale must be a positive finite number, got {initial_scale}")
     if growth_steps is not None and (int(growth_steps) != growth_steps or growth_steps < 1):
-        raise UsageError(f"loss scale growth steps must be an integer >= 1, got {growth_steps}")
+        raise UsageError(f"wrap_optimizer: growth_steps must be an integer >= 1, got {growth_steps}")
+    # Called in a strategy's scope before compile: the keys are the strategy's own before
+    # model.fit (or tfmp.fit) traces its first collective.
+    keras_compat.own_collective_keys(tf.distribute.get_strategy())
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
     keras_wrapper = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
