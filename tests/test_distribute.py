@@ -77,12 +77,15 @@ def test_batch_that_does_not_divide_quotes_both_numbers():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"global_batch": 0, "replicas": 1, "learning_rate": 0.1}, "batch size must be >= 1"),
+        ({"global_batch": 0, "replicas": 1, "learning_rate": 0.1}, "global batch size must be >= 1"),
         (
             {"global_batch": 8, "replicas": 1, "learning_rate": 0.1, "lr_scaling": "cubic"},
             "'cubic'.*none, linear, sqrt",
         ),
-        ({"global_batch": 8, "replicas": 1, "learning_rate": 0.1, "grad_accum_steps": 0}, "accumulation"),
+        (
+            {"global_batch": 8, "replicas": 1, "learning_rate": 0.1, "grad_accum_steps": 0},
+            "grad_accum_steps must be >= 1",
+        ),
     ],
 )
 def test_bad_batch_settings(kwargs, match):

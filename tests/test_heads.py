@@ -30,6 +30,7 @@ def test_audit_finds_low_precision_output_and_softmax():
     problems = tfmp.audit(keras.Model(inputs, [probs, logits]))
     assert any("bad_probs" in p and "float16, not float32" in p for p in problems)
     assert any("bad_probs computes softmax in float16" in p for p in problems)
+    assert all("tfmp.keep_float32(model, 'bad_probs')" in p for p in problems if "bad_probs" in p)
     assert any("logits16" in p for p in problems)
     assert len(problems) == 3
 

@@ -55,7 +55,7 @@ def test_epochs_are_one_repeated_stream_and_a_resume_continues_at_its_position()
 def test_an_odd_epoch_under_accumulation_keeps_whole_updates():
     source = inputs.Input(numbered(9), ONE(), None, 2, "data")
     assert source.period == 9 and source.steps == 8  # 4 updates of 2 batches; the 9th is left over.
-    with pytest.raises(UsageError, match="holds 1 batches, fewer than grad_accum_steps=2"):
+    with pytest.raises(UsageError, match="fewer than grad_accum_steps=2; the largest grad_accum_steps it fills is 1"):
         inputs.Input(numbered(1), ONE(), None, 2, "data")
 
 

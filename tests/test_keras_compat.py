@@ -234,3 +234,26 @@ def test_no_merge_call_inside_replica_local_updates_and_back_after(mirrored):
     with keras_compat.replica_local_updates([], mirrored):
         assert extended._use_merge_call() is False
     assert "_use_merge_call" not in vars(extended) and extended._use_merge_call() is True
+
+
+def test_each_strategy_gets_keys_of_its_own_once():
+    first, second = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]) for _ in range(2))
+    keras_compat.own_collective_keys(first)
+    keys = keras_compat.collective_group_keys(first)
+    keras_compat.own_collective_keys(first)  # Seen again: unchanged.
+    assert keras_compat.collective_group_keys(first) == keys
+    keras_compat.own_collective_keys(second)
+    third = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # Made after: past both, though tfmp never sees it.
+    assert len({tuple(keras_compat.collective_group_keys(s)) for s in (first, second, third)}) == 3
+    keras_compat.own_collective_keys(tf.distribute.get_strategy())  # Not a MirroredStrategy: nothing to do.
+
+
+def test_paths_looked_up_are_the_built_layers_paths():
+    policy_map = keras.dtype_policies.DTypePolicyMap(keras.DTypePolicy("float32"), {"x": keras.DTypePolicy("float32")})
+    original = keras.dtype_policies.DTypePolicyMap.__getitem__
+    with keras_compat.paths_looked_up() as paths:
+        layer = keras.layers.Dense(2, dtype=policy_map, name="probe")
+        layer.build((None, 3))
+        assert layer.compute_dtype == "float32"
+    assert paths == {"probe"}  # Not the map's own key "x".
+    assert keras.dtype_policies.DTypePolicyMap.__getitem__ is original

@@ -120,3 +120,17 @@ def test_full_disk_during_a_save(tmp_path, monkeypatch):
     model = models.MODELS["cnn"].build(10, input_shape=(28, 28, 1))
     optimizer = keras.optimizers.Adam()
     assert checkpoint.Checkpointer(str(tmp_path / "checkpoints"), model, optimizer).restore() == 2
+
+
+def test_a_loss_scale_below_one_warns_once_naming_the_fixes(tmp_path, caplog):
+    from tfmp import callbacks, loss_scale
+
+    optimizer = loss_scale.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    monitor = callbacks.Monitor(str(tmp_path), optimizer, examples_per_step=8)
+    caplog.set_level(logging.WARNING)
+    for step, scale in enumerate([2.0, 0.5, 0.25], 1):
+        monitor.recent.append(0)  # As `record` does before it warns: a step applied.
+        monitor._warn({"step": step, "loss_scale": scale})  # noqa: SLF001
+    (message,) = [r.getMessage() for r in caplog.records if "Loss scale fell" in r.getMessage()]
+    assert "Loss scale fell to 0.5 at step 2" in message
+    assert all(fix in message for fix in ("tfmp.diagnose", "tfmp.keep_float32", "--keep_float32", "--learning_rate"))

@@ -71,15 +71,3 @@ def test_keras_fit_with_wrap_optimizer_under_a_second_strategy():
             model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "mse")
         results.append(model.fit(regression_data(), epochs=2, verbose=0).history["loss"])
     assert np.isfinite(results).all() and results[1][-1] < results[1][0]
-
-
-def test_each_strategy_gets_keys_of_its_own_once():
-    first, second = two_cpus(), two_cpus()
-    keras_compat.own_collective_keys(first)
-    keys = keras_compat.collective_group_keys(first)
-    keras_compat.own_collective_keys(first)  # Seen again: unchanged.
-    assert keras_compat.collective_group_keys(first) == keys
-    keras_compat.own_collective_keys(second)
-    third = two_cpus()  # Made after: starts past both, even if tfmp never sees it.
-    assert len({tuple(keras_compat.collective_group_keys(s)) for s in (first, second, third)}) == 3
-    keras_compat.own_collective_keys(tf.distribute.get_strategy())  # Not a MirroredStrategy: nothing to do.

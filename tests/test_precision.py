@@ -1,6 +1,9 @@
+import logging
+
 import keras
 import pytest
 
+import tfmp
 from tfmp import loss_scale, precision
 from tfmp.errors import UsageError
 from tfmp.precision import Hardware
@@ -101,3 +104,37 @@ def test_auto_on_this_gpu_follows_its_compute_capability():
     expected = "mixed_bfloat16" if capability >= (8, 0) else "mixed_float16" if capability >= (7, 0) else "float32"
     assert precision.configure_precision("auto") == expected
     assert "{}.{}".format(*capability) in precision.resolve_policy("auto").reason
+
+
+def _nets(n=3):
+    return keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4, name=f"net_{i}") for i in range(n)])
+
+
+def _keep_float32_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("keep_float32:")]
+
+
+def test_keep_float32_block_whose_names_match_no_layer_warns_once_with_the_real_names(caplog):
+    keras.config.set_dtype_policy("mixed_float16")
+    with caplog.at_level(logging.WARNING), tfmp.keep_float32(["layer_norm.*", "logits"]):
+        model = _nets()
+    (message,) = _keep_float32_warnings(caplog)
+    assert "'layer_norm.*', 'logits' matched no layer built in the block" in message
+    assert "net_0" in message and "follow mixed_float16" in message
+    assert [layer.compute_dtype for layer in model.layers] == ["float16"] * 3
+
+
+def test_keep_float32_block_matches_names_inside_a_sequential_and_nests(caplog):
+    keras.config.set_dtype_policy("mixed_float16")
+    with caplog.at_level(logging.WARNING):
+        with tfmp.keep_float32(["net_0"]), tfmp.keep_float32(["net_2"]):
+            model = _nets()  # Paths "sequential_N/net_i": the name matches.
+        with tfmp.keep_float32(["net_1", "logits"]):
+            partly = _nets()
+        with tfmp.keep_float32(["nothing_yet"]):
+            keras.layers.Dense(3)  # Not built in the block: its path is not known yet.
+    assert [layer.compute_dtype for layer in model.layers] == ["float32", "float16", "float32"]
+    assert [layer.compute_dtype for layer in partly.layers] == ["float16", "float32", "float16"]
+    (message,) = _keep_float32_warnings(caplog)
+    assert message.startswith("keep_float32: 'logits' matched no layer")
+    assert keras.config.dtype_policy().name == "mixed_float16"

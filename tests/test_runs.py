@@ -147,6 +147,28 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, trai
     assert after == before
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (
+            ["--grad_accum_steps=1000"],
+            "--grad_accum_steps=1000: an epoch of 512 examples holds no full update of 16000 examples "
+            "(--batch_size=16 x --grad_accum_steps=1000); the largest --grad_accum_steps that fits is 32",
+        ),
+        (["--batch_size=1000"], "--batch_size=1000: an epoch of 512 examples holds no full update"),
+        (["--batch_size=1000"], "the largest --batch_size that fits is 512"),
+        (["--batch_size=1000", "--grad_accum_steps=2"], "fits is 512 with --grad_accum_steps=1"),
+    ],
+)
+def test_an_epoch_shorter_than_an_update_names_the_flag_and_the_largest_value_that_fits(tmp_path, capsys, args, words):
+    flags_ = [f for f in SMALL if not f.startswith("--steps_per_epoch")]  # 512 synthetic examples an epoch.
+    given = [a.split("=")[0] for a in args]
+    status = run_main(*[f for f in flags_ if f.split("=")[0] not in given], f"--model_dir={tmp_path / 'run'}", *args)
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and words in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_tf_config_faults(monkeypatch, capsys, tmp_path):
     for value, words in [
         ("{not json", "not valid JSON"),

@@ -91,7 +91,7 @@ def test_mirrored_two_replicas_float16(tmp_path):
     assert np.isfinite(metrics["test_loss"])
     if replicas != 2:
         return
-    with pytest.raises(UsageError, match="global batch size 15 does not divide by the 2 replicas"):
+    with pytest.raises(UsageError, match="--batch_size=15 does not divide by the 2 replicas"):
         training.train_and_evaluate(
             training.Config(dataset="synthetic", strategy="mirrored", batch_size=15, model_dir=str(tmp_path / "odd"))
         )

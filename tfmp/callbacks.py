@@ -164,8 +164,9 @@ class Monitor:
             self.warned.add("scale")
             logging.warning(
                 "Loss scale fell to %g at step %d: float16 gradients keep overflowing. Likely causes: a "
-                "layer whose output overflows float16 (make it dtype='float32'), a too-high learning rate, "
-                "or bad input data (NaN/inf).",
+                "layer whose output overflows float16 (tfmp.diagnose(model, data) names it; keep it float32 "
+                "with tfmp.keep_float32 or train.py's --keep_float32), a too-high learning rate "
+                "(--learning_rate), or bad input data (NaN/inf).",
                 scale,
                 row["step"],
             )

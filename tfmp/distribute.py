@@ -207,7 +207,14 @@ class BatchPlan:
 
 
 def plan_batch(
-    global_batch, replicas, learning_rate, lr_scaling="none", base_batch=None, grad_accum_steps=1, workers=1
+    global_batch,
+    replicas,
+    learning_rate,
+    lr_scaling="none",
+    base_batch=None,
+    grad_accum_steps=1,
+    workers=1,
+    batch_name="global batch size",
 ):
     """Checks the global batch against the replica count and scales the learning rate.
 
@@ -220,6 +227,7 @@ def plan_batch(
             effective batch, i.e. no change.
         grad_accum_steps: micro-batches accumulated per update.
         workers: worker processes in the cluster.
+        batch_name: what the user calls `global_batch` (a flag, say), for the refusals.
 
     Returns:
         A `BatchPlan`.
@@ -231,10 +239,10 @@ def plan_batch(
     if lr_scaling not in LR_SCALING:
         raise UsageError(f"unknown lr scaling {lr_scaling!r}; choose one of {', '.join(LR_SCALING)}")
     if global_batch < 1:
-        raise UsageError(f"batch size must be >= 1, got {global_batch}")
+        raise UsageError(f"{batch_name} must be >= 1, got {global_batch}")
     if grad_accum_steps < 1:
-        raise UsageError(f"grad accumulation steps must be >= 1, got {grad_accum_steps}")
-    check_divides(global_batch, replicas)
+        raise UsageError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    check_divides(global_batch, replicas, batch_name)
     effective = global_batch * grad_accum_steps
     base = base_batch or effective
     ratio = {"none": 1.0, "linear": effective / base, "sqrt": math.sqrt(effective / base)}[lr_scaling]
@@ -259,6 +267,6 @@ def check_divides(global_batch, replicas, what="global batch size"):
     if global_batch % replicas:
         lower, upper = global_batch // replicas * replicas, (global_batch // replicas + 1) * replicas
         raise UsageError(
-            f"{what} {global_batch} does not divide by the {replicas} replicas; "
+            f"{what}{'=' if what.startswith('--') else ' '}{global_batch} does not divide by the {replicas} replicas; "
             f"use a multiple of {replicas} such as {lower or upper} or {upper}"
         )

@@ -116,9 +116,10 @@ def audit(model):
         layer = keras_compat.producer(output)
         # A layer made float32 after the graph was built outputs float32, whatever the graph says.
         dtype = "float32" if getattr(layer, "compute_dtype", None) == "float32" else output.dtype
+        fix = f"keep it float32: tfmp.keep_float32(model, {layer.name!r}) (train.py: --keep_float32={layer.name})"
         if dtype != "float32":
-            problems.append(f"output {i} ({layer.name}) is {dtype}, not float32")
+            problems.append(f"output {i} ({layer.name}) is {dtype}, not float32; {fix}")
         squash = _squashes_in_low_precision(layer)
         if squash:
-            problems.append(f"output {i}: {squash}")
+            problems.append(f"output {i}: {squash}; {fix}")
     return Audit(problems, layers, outputs_checked=bool(outputs))

@@ -55,7 +55,9 @@ class Input:
                 self.steps = cardinality // grad_accum_steps * grad_accum_steps
                 if self.steps == 0:
                     raise UsageError(
-                        f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}"
+                        f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}; "
+                        f"the largest grad_accum_steps it fills is {cardinality} (or repeat the data and give "
+                        f"{steps_arg})"
                     )
             batch = batch_dim(self.element_spec)
             if batch is not None:

@@ -4,7 +4,8 @@ tests/test_keras_compat.py: a release that changes one of them fails the test na
 Keras 3 has no public API for a layer's sublayers, for swapping a built layer's dtype
 policy without writing into a shared `DTypePolicyMap`, for seeing what a layer's `call`
 received and returned (the doctor needs these, on any model, without copying it), for
-building a model with its compiled loss and metrics from a data spec, for the loss
+building a model with its compiled loss and metrics from a data spec, for the layers a
+`DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the loss
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
 variables (tfmp's fused updates). TensorFlow keeps private a strategy's worker count,
 whether op determinism is on, MirroredStrategy's collective keys, a variable's
@@ -96,6 +97,27 @@ def own_collective_keys(strategy):
 def collective_group_keys(strategy):
     """The group keys a MirroredStrategy's collective all-reduce uses (for tests)."""
     return sorted(strategy.extended._collective_keys._known_groups.values())  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def paths_looked_up():
+    """Inside the block, collects (into the set it yields) the layer paths that layers look
+    their dtype up by in a `DTypePolicyMap`: a layer holding a map reads its path in it
+    each time it asks its dtype, from its build on (Keras lists no map's layers)."""
+    looked_up = set()
+    cls = keras.dtype_policies.DTypePolicyMap
+    original = cls.__getitem__
+
+    def getitem(self, key):
+        if key not in self.keys():  # Not the map reading its own entries.
+            looked_up.add(key)
+        return original(self, key)
+
+    cls.__getitem__ = getitem
+    try:
+        yield looked_up
+    finally:
+        cls.__getitem__ = original
 
 
 def sublayers(model):

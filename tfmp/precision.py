@@ -237,12 +237,14 @@ def keep_float32(model_or_names, names_or_regexes=None):
     """Layers that compute in float32 under a mixed global policy: in a model being built
     (a `with` block) or in a built one (loaded, subclassed, or any other).
 
-    `tfmp.keep_float32(names)` is a `with` block: layers created in it whose path matches
-    one of `names` compute in float32; every other layer follows the global policy.
-    `tfmp.keep_float32(model, names)` changes the built `model` in place: each of its layers
-    (nested ones too) whose path or name matches computes in float32 from then on. Both take
-    exactly the names `tfmp.diagnose(...).keep_float32` returns; the names are full-match
-    regular expressions. Variables stay float32 either way.
+    `tfmp.keep_float32(names)` is a `with` block: layers created in it whose path or name
+    matches one of `names` compute in float32; every other layer follows the global policy.
+    At the block's end, a name that matched none of the layers built in it is warned about
+    once, with the real ones. `tfmp.keep_float32(model, names)` changes the built `model`
+    in place: each of its layers (nested ones too) whose path or name matches computes in
+    float32 from then on. Both take exactly the names `tfmp.diagnose(...).keep_float32`
+    returns; the names are full-match regular expressions. Variables stay float32 either
+    way.
 
     Args:
         model_or_names: a built Keras model, or the names (then `names_or_regexes` is
@@ -279,11 +281,16 @@ def _patterns(names_or_regexes):
     return patterns
 
 
+def _matches(pattern, path, name=None):
+    """Whether a keep_float32 pattern names a layer: its whole path, or its name."""
+    return any(re.fullmatch(pattern, n or "") for n in (path, name or (path or "").rsplit("/", 1)[-1]))
+
+
 def _keep_float32_in(model, patterns):
     layers = keras_compat.sublayers(model)
     chosen = {}
     for pattern in patterns:
-        hits = [layer for layer in layers if any(re.fullmatch(pattern, n or "") for n in (layer.path, layer.name))]
+        hits = [layer for layer in layers if _matches(pattern, layer.path, layer.name)]
         if not hits:
             names = ", ".join(layer.path or layer.name for layer in layers[:12])
             raise UsageError(f"keep_float32: {pattern!r} matches no layer of {model.name} (its layers: {names}, ...)")
@@ -297,19 +304,47 @@ def _keep_float32_in(model, patterns):
 @contextlib.contextmanager
 def _keep_float32_block(patterns):
     """Inside the block the global policy is a Keras `DTypePolicyMap` from layer paths
-    (names for top-level layers) to float32, whose default is the policy before it."""
+    (names for top-level layers) to float32, whose default is the policy before it (an
+    enclosing block's names stay float32 too)."""
     previous = keras.config.dtype_policy()
     if not patterns:
         yield
         return
-    # One key: DTypePolicyMap refuses a path that matches two of its keys.
-    combined = "|".join(f"(?:{p})" for p in patterns)
-    policy_map = keras.dtype_policies.DTypePolicyMap(previous, {combined: keras.DTypePolicy("float32")})
+    default, outer = previous, []
+    if isinstance(previous, keras.dtype_policies.DTypePolicyMap):  # A block inside a block.
+        if any(policy.name != "float32" for policy in previous.values()):
+            raise UsageError("keep_float32: the global policy is a DTypePolicyMap of other dtypes; set a policy first")
+        default, outer = previous.default_policy, list(previous.keys())
+    # One key: DTypePolicyMap refuses a path that matches two of its keys. Each pattern
+    # matches a path, or a name: the path's last part (a Sequential's layers have
+    # paths "sequential/NAME").
+    combined = "|".join([*outer, *(f"(?:{p})|(?:.*/(?=[^/]*$)(?:{p}))" for p in patterns)])
+    policy_map = keras.dtype_policies.DTypePolicyMap(default, {combined: keras.DTypePolicy("float32")})
     keras.config.set_dtype_policy(policy_map)
     try:
-        yield
+        with keras_compat.paths_looked_up() as paths:
+            yield
     finally:
         keras.config.set_dtype_policy(previous)
+    _warn_unmatched(patterns, paths, default)
+
+
+def _warn_unmatched(patterns, paths, policy):
+    """One warning naming the patterns that matched none of the layers built in a
+    `keep_float32` block (a typo, or another naming), with some of the real paths. Where no
+    layer was built in the block its layers' paths are not known yet: nothing to say."""
+    unmatched = [p for p in patterns if not any(_matches(p, path) for path in paths)]
+    if not paths or not unmatched:
+        return
+    real = sorted(paths)
+    shown = ", ".join(real[:8]) + (f", ... ({len(real)} in all)" if len(real) > 8 else "")
+    logging.warning(
+        "keep_float32: %s matched no layer built in the block (its layers: %s); those layers follow %s. "
+        "The names are full-match regular expressions of layer paths or names: tfmp.audit(model) lists the paths.",
+        ", ".join(repr(p) for p in unmatched),
+        shown,
+        policy.name,
+    )
 
 
 def device_name():

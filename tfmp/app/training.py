@@ -39,11 +39,33 @@ def _steps_per_epoch(config, ds, plan):
     else:
         steps = int(ds.make_train().cardinality()) // plan.grad_accum_steps
     if steps < 1:
-        raise UsageError(
-            f"an epoch of {ds.source.train_size or 'unknown'} examples holds no full update of "
-            f"{plan.effective_batch} examples; lower --batch_size or set --steps_per_epoch"
-        )
+        raise UsageError(_no_full_update(config, ds, plan))
     return steps
+
+
+def _no_full_update(config, ds, plan):
+    """The refusal for an epoch shorter than one update: the flag to change and the largest
+    value of it that fits."""
+    size = ds.source.train_size
+    epoch = f"an epoch of {size} examples" if size else "an epoch"
+    batches = size // plan.global_batch if size else int(ds.make_train().cardinality())
+    update = f"{plan.effective_batch} examples (--batch_size={config.batch_size}"
+    if plan.grad_accum_steps > 1 and batches >= 1:
+        return (
+            f"--grad_accum_steps={plan.grad_accum_steps}: {epoch} holds no full update of {update} x "
+            f"--grad_accum_steps={plan.grad_accum_steps}); the largest --grad_accum_steps that fits is {batches} "
+            "(or set --steps_per_epoch to repeat the data)"
+        )
+    if size and size >= plan.replicas:
+        largest = f"the largest --batch_size that fits is {size // plan.replicas * plan.replicas}"
+        if plan.grad_accum_steps > 1:
+            largest += " with --grad_accum_steps=1"
+    else:
+        largest = "lower --batch_size"
+    return (
+        f"--batch_size={config.batch_size}: {epoch} holds no full update of {update}); {largest} "
+        "(or set --steps_per_epoch to repeat the data)"
+    )
 
 
 def _check_batch_memory(plan, source, config):
@@ -108,6 +130,7 @@ class _Setup:
             config.base_batch_size,
             grad_accum_steps=config.grad_accum_steps,
             workers=distribute.num_workers(strategy),
+            batch_name="--batch_size",
         )
         # 5. Data, in global batches; every grad_accum_steps of them make one update.
         self.dataset, self.ds = _load_data(config, self.entry, plan, strategy)
