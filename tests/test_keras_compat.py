@@ -257,3 +257,11 @@ def test_paths_looked_up_are_the_built_layers_paths():
         assert layer.compute_dtype == "float32"
     assert paths == {"probe"}  # Not the map's own key "x".
     assert keras.dtype_policies.DTypePolicyMap.__getitem__ is original
+
+
+def test_quantize_only_the_layers_given():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(2, name="b")])
+    keras_compat.quantize(model, [model.get_layer("a")], "float8")
+    assert [layer.quantization_mode for layer in model.layers] == ["float8", None]
+    assert model(np.ones((2, 4), "float32")).shape == (2, 2)

@@ -6,7 +6,11 @@ entry points can silence TensorFlow's start-up before TensorFlow loads.
 
 import importlib
 
+from tfmp import versions as _versions
+
 __version__ = "0.2.0"
+
+_versions.warn_outside_tested()  # Once: a module is imported once.
 
 _EXPORTS = {
     "BatchPlan": "tfmp.distribute",

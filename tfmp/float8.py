@@ -95,9 +95,8 @@ def quantize(model, exclude=()):
             "it again with a new optimizer"
         )
     if chosen:
-        ids = {id(layer) for layer in chosen}
         with model.distribute_strategy.scope():  # Mirrored state for a mirrored model.
-            model.quantize("float8", filters=lambda layer: id(layer) in ids)
+            keras_compat.quantize(model, chosen, "float8")
     return [layer.path or layer.name for layer in chosen]
 
 

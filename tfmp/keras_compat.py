@@ -7,10 +7,11 @@ received and returned (the doctor needs these, on any model, without copying it)
 building a model with its compiled loss and metrics from a data spec, for the layers a
 `DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the loss
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
-variables (tfmp's fused updates). TensorFlow keeps private a strategy's worker count,
-whether op determinism is on, MirroredStrategy's collective keys, a variable's
-aggregation (set aside while tfmp's loss-scale cond counts an update where no merge call
-may run) and the FLOP profiler the bench uses.
+variables (tfmp's fused updates); Keras 3.10's `Model.quantize` takes no `filters`.
+TensorFlow keeps private a strategy's worker count, whether op determinism is on,
+MirroredStrategy's collective keys, a variable's aggregation (set aside while tfmp's
+loss-scale cond counts an update where no merge call may run) and the FLOP profiler the
+bench uses.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
 (tfmp.loss_scale), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
@@ -19,6 +20,7 @@ changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
 """
 
 import contextlib
+import inspect
 import weakref
 
 import keras
@@ -118,6 +120,19 @@ def paths_looked_up():
         yield looked_up
     finally:
         cls.__getitem__ = original
+
+
+def quantize(model, layers, mode):
+    """`model.quantize(mode)` for `layers` only. Keras 3.10 has no `filters=` argument:
+    there each layer is quantized by itself and the model's compiled functions are
+    dropped, as `Model.quantize` does after it."""
+    if "filters" in inspect.signature(model.quantize).parameters:
+        ids = {id(layer) for layer in layers}
+        model.quantize(mode, filters=lambda layer: id(layer) in ids)
+        return
+    for layer in layers:
+        layer.quantize(mode)
+    model.train_function = model.test_function = model.predict_function = None
 
 
 def sublayers(model):
