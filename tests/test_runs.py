@@ -71,9 +71,9 @@ def _garbage_checkpoint(d):
 # (case id, flags, words in the one error line, how to prepare an existing run directory)
 CASES = [
     ("unknown model", ["--model=vgg"], "--model=vgg", None),
-    ("unknown precision", ["--precision=float4"], "float4", None),
-    ("unknown strategy", ["--strategy=gpus"], "gpus", None),
-    ("unknown lr scaling", ["--lr_scaling=cubic"], "cubic", None),
+    ("unknown precision", ["--precision=float4"], "--precision=float4", None),
+    ("unknown strategy", ["--strategy=gpus"], "--strategy=gpus", None),
+    ("unknown lr scaling", ["--lr_scaling=cubic"], "--lr_scaling=cubic", None),
     ("unknown resume", ["--resume=maybe"], "maybe", None),
     ("unknown flag", ["--no_such_flag=1"], "no_such_flag", None),
     ("batch not a number", ["--batch_size=abc"], "--batch_size=abc", None),

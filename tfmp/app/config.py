@@ -67,14 +67,14 @@ def validate(config):
     """Raises UsageError for settings that are wrong whatever the hardware: names, ranges,
     nan and inf, and paths that cannot be written (before anything is written)."""
     if config.model not in models.MODELS:
-        raise UsageError(f"unknown model {config.model!r}; choose one of {', '.join(models.MODELS)}")
+        raise UsageError(f"unknown --model={config.model!r}; choose one of {', '.join(models.MODELS)}")
     if config.precision not in (*precision.POLICIES, precision.AUTOTUNE):
         choices = ", ".join((*precision.POLICIES, precision.AUTOTUNE))
-        raise UsageError(f"unknown precision {config.precision!r}; choose one of {choices}")
+        raise UsageError(f"unknown --precision={config.precision!r}; choose one of {choices}")
     if config.strategy not in distribute.STRATEGIES:
-        raise UsageError(f"unknown strategy {config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
+        raise UsageError(f"unknown --strategy={config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
     if config.lr_scaling not in distribute.LR_SCALING:
-        raise UsageError(f"unknown lr scaling {config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
+        raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
     if config.jit_compile not in JIT_COMPILE:

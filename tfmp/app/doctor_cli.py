@@ -103,7 +103,7 @@ def main(argv):
 
     with cli.user_errors("tfmp.doctor"):
         if FLAGS.model not in models.MODELS:
-            raise cli.UsageError(f"unknown model {FLAGS.model!r}; choose one of {', '.join(models.MODELS)}")
+            raise cli.UsageError(f"unknown --model={FLAGS.model!r}; choose one of {', '.join(models.MODELS)}")
         os.makedirs(FLAGS.output_dir, exist_ok=True)
         if FLAGS.parity:
             result = run_parity()
