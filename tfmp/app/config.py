@@ -74,7 +74,8 @@ def validate(config):
     if config.strategy not in distribute.STRATEGIES:
         raise UsageError(f"unknown --strategy={config.strategy!r}; choose one of {', '.join(distribute.STRATEGIES)}")
     if config.lr_scaling not in distribute.LR_SCALING:
-        raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {', '.join(distribute.LR_SCALING)}")
+        choices = ", ".join(distribute.LR_SCALING)
+        raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {choices}")
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
     if config.jit_compile not in JIT_COMPILE:
