@@ -350,6 +350,29 @@ def test_sigterm_at_any_moment_exits_75_with_one_line(tmp_path, phase):
     assert len(lines) == 1 and "preempted: SIGTERM" in lines[0], err
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # The dropped exception.
+def test_sigterm_whose_exception_a_finalizer_drops_still_preempts(tmp_path):
+    """SIGTERM's handler runs wherever the main thread is; inside a `__del__` Python prints
+    its exception and drops it (one full-suite run waited 300 s for a set-up-time SIGTERM).
+    The run still stops: training at its first step, otherwise at the block's end."""
+    import threading
+
+    from tfmp import guards
+    from tfmp.errors import Preempted
+
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)  # The handler's raise lands in here.
+
+    with pytest.raises(Preempted, match="SIGTERM outside training"), cli.sigterm_exits_75(str(tmp_path)):
+        Finalizer()
+        stop = threading.Event()
+        with guards.sigterm_sets(stop, active=True):
+            assert stop.is_set()  # tfmp.fit saves a checkpoint and raises at its first step.
+    with cli.sigterm_exits_75(str(tmp_path)):
+        pass  # A new run starts clean.
+
+
 def test_preempted_wrapped_by_tracing_still_exits_75_with_one_line(capsys):
     """SIGTERM's Preempted raised while TensorFlow traces comes out as autograph's error,
     with the Preempted as its context."""

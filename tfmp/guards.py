@@ -20,6 +20,13 @@ PEER_ERRORS = (
 )
 
 
+# Set by a SIGTERM handler that raises (train.py's, outside training) before it raises: a
+# raise that lands in a finalizer (`__del__`, a weakref callback) is printed and dropped
+# by Python, and the run would go on as if no SIGTERM had come. `sigterm_sets` and the
+# handler's block read it back.
+SIGTERM_RECEIVED = threading.Event()
+
+
 def peer_message(error, saver):
     """One line for `PeerLost`: who stopped answering, and what checkpoint is left."""
     tasks = sorted(set(re.findall(r"/job:(\w+)/replica:\d+/task:(\d+)", str(error))))
@@ -36,6 +43,8 @@ def sigterm_sets(event, active):
         yield
         return
     previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+    if SIGTERM_RECEIVED.is_set():  # Came before training, its exception lost: stop at the first step.
+        event.set()
     try:
         yield
     finally:
