@@ -9,7 +9,7 @@ import sys
 
 from absl import flags, logging
 
-from tfmp.errors import PeerLost, Preempted, TrainingError, UsageError, first_line
+from tfmp.errors import SIGTERM_RECEIVED, PeerLost, Preempted, TrainingError, UsageError, first_line
 
 
 def wants_logs(argv):
@@ -81,24 +81,22 @@ def sigterm_exits_75(model_dir):
     (start-up, evaluation, export) the last checkpoint is intact as it is."""
     import signal
 
-    from tfmp import guards  # Imports TensorFlow: loaded by now, not when this module loads.
-
     message = (
         f"SIGTERM outside training: the last checkpoint in {model_dir}/checkpoints is intact; rerun the same "
         "command to resume"
     )
 
     def handler(signum, frame):
-        guards.SIGTERM_RECEIVED.set()  # Kept: Python drops an exception raised inside a finalizer.
+        SIGTERM_RECEIVED.set()  # Kept: Python drops an exception raised inside a finalizer.
         raise Preempted(message)
 
-    guards.SIGTERM_RECEIVED.clear()
+    SIGTERM_RECEIVED.clear()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if guards.SIGTERM_RECEIVED.is_set():  # Its Preempted was dropped: exit 75 all the same.
+    if SIGTERM_RECEIVED.is_set():  # Its Preempted was dropped: exit 75 all the same.
         raise Preempted(message)
 
 

@@ -1,5 +1,13 @@
 """Exception types that end a run with one line instead of a traceback."""
 
+import threading
+
+# Set by a SIGTERM handler that raises `Preempted` (train.py's, outside training), before it
+# raises: a raise that lands in a finalizer (`__del__`, a weakref callback) is printed and
+# dropped by Python, and the run would go on as if no SIGTERM had come. tfmp.fit's SIGTERM
+# guard and the handler's block read it back (tfmp.cli, tfmp.guards).
+SIGTERM_RECEIVED = threading.Event()
+
 
 def first_line(error, limit=200, default=None):
     """The first line of `error`'s message, cut to `limit` characters, for one-line reports;

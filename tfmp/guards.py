@@ -8,7 +8,7 @@ import threading
 import tensorflow as tf
 
 from tfmp import distribute
-from tfmp.errors import Preempted
+from tfmp.errors import SIGTERM_RECEIVED, Preempted
 
 # What a collective op raises when another worker dies or its heartbeats stop.
 PEER_ERRORS = (
@@ -18,13 +18,6 @@ PEER_ERRORS = (
     tf.errors.CancelledError,
     tf.errors.DeadlineExceededError,
 )
-
-
-# Set by a SIGTERM handler that raises (train.py's, outside training) before it raises: a
-# raise that lands in a finalizer (`__del__`, a weakref callback) is printed and dropped
-# by Python, and the run would go on as if no SIGTERM had come. `sigterm_sets` and the
-# handler's block read it back.
-SIGTERM_RECEIVED = threading.Event()
 
 
 def peer_message(error, saver):
