@@ -16,7 +16,7 @@ from tfmp import cli
 if __name__ == "__main__":
     cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
 
-from tfmp import distribute, precision  # noqa: E402
+from tfmp import bf16, distribute, precision  # noqa: E402
 from tfmp.app import models, training  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -37,6 +37,15 @@ flags.DEFINE_enum(
     [*precision.POLICIES, precision.AUTOTUNE],
     "Dtype policy. auto: from the hardware, with the reason; autotune: a short timed trial of each "
     "policy on this model, batch and strategy, cached in MODEL_DIR/autotune.json.",
+)
+flags.DEFINE_enum(
+    "bf16_rounding",
+    DEFAULT.bf16_rounding,
+    list(bf16.ROUNDINGS),
+    "Under --precision=bfloat16 (weights and optimizer state in bfloat16, half the memory): how each float32 "
+    "update is written back. kahan: a compensation buffer per weight (8 bytes a parameter with Adam); "
+    "stochastic: seeded by --seed, the step and the variable (6 bytes); nearest: Keras' behaviour, small "
+    "updates vanish.",
 )
 flags.DEFINE_enum("strategy", DEFAULT.strategy, list(distribute.STRATEGIES), "tf.distribute strategy.")
 flags.DEFINE_string("tpu", DEFAULT.tpu, "With --strategy=tpu: 'local' (Colab/TPU VM) or a TPU name/address.")

@@ -265,3 +265,18 @@ def test_quantize_only_the_layers_given():
     keras_compat.quantize(model, [model.get_layer("a")], "float8")
     assert [layer.quantization_mode for layer in model.layers] == ["float8", None]
     assert model(np.ones((2, 4), "float32")).shape == (2, 2)
+
+
+def test_variable_index_decays_slots_of_and_with_slots():
+    a, b = keras.Variable(np.ones(3, "float32"), name="a"), keras.Variable(np.ones(2, "float32"), name="b")
+    adamw = keras.optimizers.AdamW(0.1, weight_decay=0.1)
+    adamw.exclude_from_weight_decay(var_names=["b"])
+    adamw.build([a, b])
+    assert keras_compat.variable_index(adamw, b) == 1 and keras_compat.variable_index(adamw, b.value) == 1
+    assert keras_compat.decays(adamw, a) and not keras_compat.decays(adamw, b)
+    slots = keras_compat.slots_of(adamw, 1)
+    assert set(slots) == {"_momentums", "_velocities"} and slots["_momentums"].shape == (2,)
+    copy = keras_compat.with_slots(adamw, 1, {"_momentums": "stand-in"})
+    assert copy._momentums[1] == "stand-in" and adamw._momentums[1] is slots["_momentums"]  # noqa: SLF001
+    assert copy._get_variable_index(a) == 1  # noqa: SLF001
+    assert set(keras_compat.slots_of(keras.optimizers.SGD(0.1), 0)) == set()  # No momentum: no slot.

@@ -148,3 +148,23 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
     assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
     assert len(errors) == 1 and "does not load into this model" in errors[0]
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bfloat16_weights_sigkill_then_resume_match_unbroken(tmp_path, rounding):
+    """The compensation buffers and the rounding's seed live in the checkpoint: a run killed
+    after a checkpoint resumes to the unbroken run's bfloat16 weights, bit for bit."""
+    extra = ["--precision=bfloat16", f"--bf16_rounding={rounding}"]
+    code, _, err = finish(start(tmp_path / "unbroken", *extra))
+    assert code == 0, err[-3000:]
+    unbroken = json.loads((tmp_path / "unbroken" / "metrics.json").read_text())
+    model_dir = tmp_path / "run"
+    process = start(model_dir, *extra)
+    killed_after = wait_for_checkpoint(process, model_dir, 9)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    code, _, err = finish(start(model_dir, *extra))
+    assert code == 0, err[-3000:]
+    metrics = json.loads((model_dir / "metrics.json").read_text())
+    assert metrics["resumed_from_step"] >= killed_after and metrics["bf16_rounding"] == rounding
+    assert metrics["weights_sha256"] == unbroken["weights_sha256"]

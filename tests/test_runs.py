@@ -75,6 +75,7 @@ CASES = [
     ("unknown strategy", ["--strategy=gpus"], "--strategy=gpus", None),
     ("unknown lr scaling", ["--lr_scaling=cubic"], "--lr_scaling=cubic", None),
     ("unknown resume", ["--resume=maybe"], "maybe", None),
+    ("unknown bf16 rounding", ["--precision=bfloat16", "--bf16_rounding=up"], "--bf16_rounding=up", None),
     ("unknown flag", ["--no_such_flag=1"], "no_such_flag", None),
     ("batch not a number", ["--batch_size=abc"], "--batch_size=abc", None),
     ("lr not a number", ["--learning_rate=fast"], "--learning_rate=fast", None),

@@ -136,6 +136,29 @@ def test_other_models_train(tmp_path, model):
     assert metrics["steps"] == 2 and np.isfinite(metrics["test_loss"])
 
 
+@pytest.mark.parametrize("model, rounding, most_bytes", [("lstm", "stochastic", 6.1), ("resnet", "kahan", 8.1)])
+def test_bfloat16_weights_train_every_bundled_kind(tmp_path, model, rounding, most_bytes):
+    """--precision=bfloat16: the LSTM builds (Keras' orthogonal initializer has no bfloat16
+    QR), BatchNormalization's statistics stay float32 (ResNet: 8.1 bytes), and the run
+    reports the bytes a parameter its weights and optimizer state take."""
+    config = training.Config(
+        model=model,
+        dataset="synthetic",
+        precision="bfloat16",
+        bf16_rounding=rounding,
+        batch_size=8,
+        epochs=1,
+        steps_per_epoch=3,
+        model_dir=str(tmp_path),
+        verbose=0,
+        vocab_size=300,
+        sequence_length=16,
+    )
+    metrics = training.train_and_evaluate(config)
+    assert metrics["steps"] == 3 and np.isfinite(metrics["test_loss"]) and metrics["policy"] == "bfloat16"
+    assert metrics["bf16_rounding"] == rounding and metrics["bytes_per_parameter"] <= most_bytes
+
+
 @pytest.mark.slow
 def test_default_run_reaches_real_accuracy(tmp_path):
     """The README's main command: cnn on the shipped real digits, auto precision."""

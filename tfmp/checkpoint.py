@@ -181,6 +181,7 @@ EXACT = (
     "precision",
     "keep_float32",
     "float8_exclude",
+    "bf16_rounding",
     "seed",
     "grad_accum_steps",
     "replicas",

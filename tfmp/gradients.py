@@ -16,6 +16,15 @@ def add(a, b):
     return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
 
 
+def to_float32(g):
+    """A 16-bit gradient in float32 (sparse stays sparse); others as they are."""
+    if g is None or tf.as_dtype(g.dtype) not in (tf.bfloat16, tf.float16):
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, tf.float32), g.indices, g.dense_shape)
+    return tf.cast(g, tf.float32)
+
+
 def deduplicate(g):
     """IndexedSlices with each row once (duplicates summed); other gradients as they are."""
     if not isinstance(g, tf.IndexedSlices):

@@ -7,7 +7,9 @@ received and returned (the doctor needs these, on any model, without copying it)
 building a model with its compiled loss and metrics from a data spec, for the layers a
 `DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the loss
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
-variables (tfmp's fused updates); Keras 3.10's `Model.quantize` takes no `filters`.
+variables (tfmp's fused updates) and for running an optimizer's update on stand-ins
+(tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
+`filters`.
 TensorFlow keeps private a strategy's worker count, whether op determinism is on,
 MirroredStrategy's collective keys, a variable's aggregation (set aside while tfmp's
 loss-scale cond counts an update where no merge call may run) and the FLOP profiler the
@@ -237,7 +239,48 @@ def watching_calls(layers, on_call, on_start=None):
                 object.__setattr__(layer, "call", own)
 
 
-def _shallow_copy(obj):
+# The slot lists each Keras optimizer's `update_step` reads, by that method (AdamW is Adam's
+# update after Keras' weight decay); tfmp.bf16 runs these updates on float32 stand-ins.
+UPDATE_SLOTS = {
+    keras.optimizers.SGD.update_step: ("momentums",),
+    keras.optimizers.Adam.update_step: ("_momentums", "_velocities", "_velocity_hats"),
+    keras.optimizers.Lion.update_step: ("_momentums",),
+    keras.optimizers.Adafactor.update_step: ("_r", "_c", "_v"),
+}
+
+
+def variable_index(optimizer, variable):
+    """The position of `variable` (Keras, TensorFlow or a replica's copy) in what
+    `optimizer` was built for: the index of its slots."""
+    return optimizer._get_variable_index(variable)  # noqa: SLF001
+
+
+def decays(optimizer, variable):
+    """Whether `optimizer` applies weight decay to `variable` (Keras' exclusions honoured)."""
+    return optimizer.weight_decay is not None and optimizer._use_weight_decay(variable)  # noqa: SLF001
+
+
+def slots_of(optimizer, index):
+    """{slot list name: the slot of the variable at `index`} for the lists its class's
+    `update_step` reads (`UPDATE_SLOTS`); an empty list (SGD without momentum, Adam
+    without amsgrad) gives none."""
+    names = UPDATE_SLOTS[type(optimizer).update_step]
+    return {name: getattr(optimizer, name)[index] for name in names if getattr(optimizer, name, None)}
+
+
+def with_slots(optimizer, index, replaced):
+    """A shallow copy of `optimizer` whose slot lists hold `replaced[name]` at `index` and
+    whose variable lookup answers `index` for anything: the class's `update_step` called on
+    it with stand-ins for a variable reads and assigns the stand-ins."""
+    copy = shallow_copy(optimizer)
+    for name, value in replaced.items():
+        held = getattr(optimizer, name)
+        object.__setattr__(copy, name, [*held[:index], value, *held[index + 1 :]])
+    object.__setattr__(copy, "_get_variable_index", lambda _: index)
+    return copy
+
+
+def shallow_copy(obj):
     """A new object of `obj`'s class sharing all its attributes (`copy.copy` would go through
     Keras' pickling, which saves and rebuilds the variables)."""
     twin = object.__new__(type(obj))
@@ -249,19 +292,21 @@ def _as_given(grads_and_vars):
     return grads_and_vars
 
 
-def reduced_applier(optimizer, update_step=None, reduced_flag=None):
+def reduced_applier(optimizer, update_step=None, reduced_flag=None, weight_decay_filter=None):
     """tfmp's own applier for `optimizer`: a shallow copy, sharing every variable (slots,
     iterations, learning rate, loss scale), whose `apply` takes gradients the caller has
     already all-reduced (Keras' own all-reduces inside `apply`, after clipping per
-    replica), each applied with `update_step` (tfmp.fused) where one is given. A loss-scale
+    replica), each applied with `update_step` (tfmp.fused, tfmp.bf16) where one is given.
+    With `weight_decay_filter`, Keras' weight decay (applied before the updates) touches
+    only the variables it accepts (`update_step` decays the others). A loss-scale
     wrapper is copied with its inner optimizer, and `reduced_flag` (the name of its
     attribute saying the gradients are reduced) set on the copy. `optimizer` itself is not
     changed.
     """
-    applier = _shallow_copy(optimizer)
+    applier = shallow_copy(optimizer)
     inner = applier
     if hasattr(optimizer, "inner_optimizer"):
-        inner = _shallow_copy(optimizer.inner_optimizer)
+        inner = shallow_copy(optimizer.inner_optimizer)
         object.__setattr__(applier, "inner_optimizer", inner)
         if reduced_flag:
             object.__setattr__(applier, reduced_flag, True)
@@ -269,6 +314,13 @@ def reduced_applier(optimizer, update_step=None, reduced_flag=None):
     object.__setattr__(inner, "_all_reduce_sum_gradients", _as_given)
     if update_step is not None:
         object.__setattr__(inner, "update_step", update_step)
+    if weight_decay_filter is not None:
+        decay = inner._apply_weight_decay  # noqa: SLF001
+
+        def filtered_weight_decay(variables):
+            return decay([v for v in variables if weight_decay_filter(v)])
+
+        object.__setattr__(inner, "_apply_weight_decay", filtered_weight_decay)
     return applier
 
 

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from tfmp import (
+    bf16,
     checkpoint,
     cudnn,
     decisions,
@@ -165,6 +166,7 @@ def fit(
         policy = keras.config.dtype_policy().name
         run.callbacks.set_params({**run.callbacks.params, "jit_compile_reason": why, "dtype_policy": policy})
         cudnn.warn_before_training(model)
+        bf16.warn_bfloat16_statistics(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
         except cudnn.ERROR as e:
@@ -189,11 +191,12 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
     key = (strategy, model.optimizer, *keras_compat.compiled(model))
     # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
     dtypes = tuple((layer.compute_dtype, layer.quantization_mode) for layer in keras_compat.sublayers(model))
-    settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes)
+    rounding, seed = precision.bf16_rounding()
+    settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes, rounding, seed)
     kept = _STEPS.get(model)
     if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1] == settings:
         return kept[2]
-    steps = Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution)
+    steps = Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution, bf16_rounding=rounding, seed=seed)
     _STEPS[model] = key, settings, steps
     return steps
 

@@ -12,10 +12,10 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import keras_compat
+from tfmp import bf16, keras_compat
 from tfmp.errors import UsageError
 
-POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8")
+POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8", "bfloat16")
 FLOAT8_BASE = "mixed_bfloat16"  # float8 computes in bfloat16 around its float8 matmuls (tfmp.float8).
 AUTOTUNE = "autotune"  # Handled by tfmp.autotune: it needs the model and data.
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -116,12 +116,12 @@ def bfloat16_is_emulated(hardware=None):
     return not (hardware.tpu or hardware.gpu_capability is not None or hardware.cpu_flags)
 
 
-def _emulated_bfloat16_warning(hardware):
-    """The warning for mixed_bfloat16 asked for on a CPU that has no bfloat16 instructions."""
+def _emulated_bfloat16_warning(hardware, policy="mixed_bfloat16"):
+    """The warning for bfloat16 compute asked for on a CPU that has no bfloat16 instructions."""
     if not bfloat16_is_emulated(hardware):
         return None
     return (
-        "mixed_bfloat16 on a CPU without AMX-BF16 or AVX512-BF16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo) "
+        f"{policy} on a CPU without AMX-BF16 or AVX512-BF16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo) "
         "runs emulated: expect each step to take several times as long as in float32 (7x or more for the "
         "bundled cnn); use --precision=auto or float32 unless you are testing."
     )
@@ -146,8 +146,10 @@ _SLOW_POLICY_WARNINGS = {
     "mixed_float16": _slow_float16_warning,
     "mixed_bfloat16": _emulated_bfloat16_warning,
     "float8": _float8_warning,
+    "bfloat16": functools.partial(_emulated_bfloat16_warning, policy="bfloat16"),
 }
 _float8 = [None]  # The Keras policy object float8 set (its base), while float8 is the policy.
+_bf16 = {"rounding": "kahan", "seed": 0}  # How tfmp.fit writes bfloat16 weights back (tfmp.bf16).
 
 
 class Decision(typing.NamedTuple):
@@ -181,7 +183,7 @@ def resolve_policy(policy="auto", hardware=None):
     return Decision(policy, "asked for", slow(hardware) if slow else None)
 
 
-def configure_precision(policy="auto", hardware=None):
+def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=0):
     """Applies a global Keras dtype policy, logs why, and returns its name.
 
     Asking for mixed_float16 where it is slow (CPU, TPU, GPU below compute capability
@@ -191,16 +193,35 @@ def configure_precision(policy="auto", hardware=None):
     Args:
         policy: one of `auto`, `mixed_float16`, `mixed_bfloat16`, `float32`, `float8`
             (bfloat16 compute with float8 matmuls in Dense and EinsumDense layers,
-            applied by `tfmp.fit`; `auto` never picks it).
+            applied by `tfmp.fit`), `bfloat16` (weights and optimizer state stored in
+            bfloat16: half the memory; `tfmp.fit` computes each update in float32 and
+            writes it back with `rounding`). `auto` picks neither float8 nor bfloat16.
         hardware: a `Hardware` to decide from; detected when None.
+        rounding: for bfloat16 weights (`tfmp.bf16`): `kahan` (a compensation buffer per
+            weight), `stochastic` (seeded by `seed`, the step and the variable), or
+            `nearest` (Keras' behaviour: small updates vanish; it warns).
+        seed: an integer seeding stochastic rounding.
 
     Returns:
         The name of the policy now global, e.g. "mixed_bfloat16".
 
     Raises:
-        UsageError: for an unknown policy name.
+        UsageError: for an unknown policy name or rounding.
     """
+    set_bf16_rounding(rounding, seed)
     return apply_policy(resolve_policy(policy, hardware))
+
+
+def set_bf16_rounding(rounding="kahan", seed=0):
+    """How `tfmp.fit` writes bfloat16 weights back (see `configure_precision`)."""
+    if rounding not in bf16.ROUNDINGS:
+        raise UsageError(f"unknown rounding {rounding!r}; choose one of {', '.join(bf16.ROUNDINGS)}")
+    _bf16.update(rounding=rounding, seed=int(seed))
+
+
+def bf16_rounding():
+    """(rounding, seed) for bfloat16 weights, as `configure_precision` last set them."""
+    return _bf16["rounding"], _bf16["seed"]
 
 
 def apply_policy(decision):
@@ -211,6 +232,8 @@ def apply_policy(decision):
     logging.info("Precision: %s (%s)", decision.policy, decision.reason)
     if decision.warning:
         logging.warning(decision.warning)
+    if decision.policy == "bfloat16":
+        bf16.warn_if_nearest(_bf16["rounding"])
     policy = keras.DTypePolicy(FLOAT8_BASE) if decision.policy == "float8" else decision.policy
     keras.config.set_dtype_policy(policy)
     _float8[0] = policy if decision.policy == "float8" else None

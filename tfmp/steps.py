@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, float8, fused, gradients, keras_compat
+from tfmp import bf16, distribute, float8, fused, gradients, keras_compat
 from tfmp.errors import first_line
 
 # What `Steps.train` returns besides the model's metric results.
@@ -50,6 +50,9 @@ class Steps:
             keeps them sparse too); False densifies them first.
         fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam,
             AdamW, SGD; not on TPUs); False keeps Keras' element-wise update.
+        bf16_rounding: how bfloat16 weights are written back after each float32 update
+            (`tfmp.bf16`): kahan, stochastic or nearest.
+        seed: seeds stochastic rounding, with the step and the variable.
     """
 
     def __init__(
@@ -62,6 +65,8 @@ class Steps:
         jit_compile=False,
         sparse=True,
         fused_updates=True,
+        bf16_rounding="kahan",
+        seed=0,
     ):
         self.model = model
         self.optimizer = model.optimizer
@@ -81,9 +86,20 @@ class Steps:
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
+        self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
+        decay_filter = None
+        if any(self._bf16):
+            bf16.check_supported(inner)
+            with strategy.scope():
+                bf16.build(inner, self.variables, bf16_rounding)
+            fallback = self._update_step or inner.update_step
+            self._update_step = bf16.update_step(inner, bf16_rounding, seed, fallback)
+            decay_filter = bf16.weight_decay_filter
         # What applies the all-reduced gradients: tfmp's own copy of the optimizer, sharing
         # its variables; the user's optimizer object is never changed (keras_compat).
-        self._applier = keras_compat.reduced_applier(self.optimizer, self._update_step, "gradients_reduced")
+        self._applier = keras_compat.reduced_applier(
+            self.optimizer, self._update_step, "gradients_reduced", decay_filter
+        )
         # Which gradients to make dense before the all-reduce: all of them with sparse=False;
         # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
         # moments decay on every row): once dense, they need no deduplication for the norm.
@@ -224,6 +240,8 @@ class Steps:
                 loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = tape.gradient(scaled, self.variables)
+            # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
+            new = [gradients.to_float32(g) if low else g for g, low in zip(new, self._bf16, strict=True)]
             if grads is None:
                 grads = new
             else:  # float8 state: the largest amax of the micro-batches, not their sum.

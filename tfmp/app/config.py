@@ -4,7 +4,7 @@ import dataclasses
 import math
 import re
 
-from tfmp import distribute, precision
+from tfmp import bf16, distribute, precision
 from tfmp.app import models
 from tfmp.checkpoint import check_writable
 from tfmp.errors import UsageError
@@ -49,6 +49,7 @@ class Config:
     resume: str = "auto"  # force: resume even where the saved settings differ (not exact).
     keep_float32: tuple = ()  # Layer names or regexes built in float32 under a mixed policy.
     float8_exclude: tuple = ()  # Under float8: layers whose matmuls stay in bfloat16.
+    bf16_rounding: str = "kahan"  # Under --precision=bfloat16: kahan, stochastic or nearest (tfmp.bf16).
     diagnose: bool = False  # Run the numerics doctor on the model and data instead of training.
     warmup_steps: int = 3  # Steps left out of the examples/second figure.
     verbose: int | None = None  # None: progress bar on a terminal, a line per epoch otherwise.
@@ -78,6 +79,9 @@ def validate(config):
         raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {choices}")
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
+    if config.bf16_rounding not in bf16.ROUNDINGS:
+        choices = ", ".join(bf16.ROUNDINGS)
+        raise UsageError(f"unknown --bf16_rounding={config.bf16_rounding!r}; choose one of {choices}")
     if config.jit_compile not in JIT_COMPILE:
         raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of {', '.join(JIT_COMPILE)}")
     if config.resume not in RESUME:

@@ -6,7 +6,12 @@ import hashlib
 import keras
 import numpy as np
 
-from tfmp import distribute
+from tfmp import bf16, distribute
+
+
+def bf16_weights(model):
+    """Whether any trainable weight of `model` is stored in bfloat16 (--precision=bfloat16)."""
+    return any(bf16.is_bfloat16(v) for v in model.trainable_variables)
 
 
 def summary(config, decision, strategy, plan, source, model, steps, start_step=0, xla=(False, "off")):
@@ -21,6 +26,8 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
         f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
         f"{config.epochs} epochs x {steps} updates",
         f"XLA         {'on' if xla[0] else 'off'} ({xla[1]})",
+        f"memory      {bf16.bytes_per_parameter(model, model.optimizer):.1f} bytes a parameter (weights and "
+        "optimizer state)" + (f", bfloat16 updates rounded: {config.bf16_rounding}" if bf16_weights(model) else ""),
         "batch",
         plan.table(),
         "=" * 72,

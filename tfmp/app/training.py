@@ -12,6 +12,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import (
+    bf16,
     callbacks,
     checkpoint,
     data,
@@ -112,8 +113,9 @@ class _Setup:
         # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
         # starts its runtime, which listing devices for the precision choice would do.
         self.strategy = strategy = distribute.get_strategy(config.strategy, config.tpu)
-        # 2. Seed.
+        # 2. Seed (stochastic rounding of bfloat16 weights draws from it too).
         seed.set_seed(config.seed, config.deterministic)
+        precision.set_bf16_rounding(config.bf16_rounding, config.seed)
         # 3. Precision: decided once, here; everything after reads the global policy (a
         # timed trial needs the data and the model: `decide_precision`).
         self.chief = distribute.is_chief(strategy)
@@ -231,6 +233,8 @@ def _record(config, run, model, fitted, say):
         "skipped_steps": callbacks.skipped_steps(history_path),
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
         "peak_memory_mb": callbacks.peak_memory_mb(),
+        "bytes_per_parameter": bf16.bytes_per_parameter(model, optimizer),  # Weights and optimizer state.
+        "bf16_rounding": config.bf16_rounding if report.bf16_weights(model) else None,
         "seed": config.seed,
         "weights_sha256": report.weights_fingerprint(model),
     }
@@ -287,6 +291,7 @@ def _settings(config, dataset, plan, strategy, steps):
         "epochs": config.epochs,
         "keep_float32": list(config.keep_float32),
         "float8_exclude": list(config.float8_exclude),
+        "bf16_rounding": config.bf16_rounding,
     }
 
 

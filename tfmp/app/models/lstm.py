@@ -2,6 +2,7 @@
 
 import keras
 
+from tfmp import bf16
 from tfmp.heads import classification_head
 
 
@@ -20,7 +21,8 @@ def build(num_classes, vocab_size=20000, sequence_length=64, embed_dim=64, units
     """
     inputs = keras.Input((sequence_length,), dtype="int64", name="tokens")
     x = keras.layers.Embedding(vocab_size, embed_dim, mask_zero=True, name="embedding")(inputs)
-    x = keras.layers.LSTM(units, name="lstm")(x)
+    # Keras' default orthogonal initializer fails for bfloat16 weights (--precision=bfloat16).
+    x = keras.layers.LSTM(units, recurrent_initializer=bf16.Orthogonal(), name="lstm")(x)
     x = keras.layers.Dropout(0.3, name="dropout")(x)
     outputs = classification_head(num_classes)(x)
     return keras.Model(inputs, outputs, name="lstm")

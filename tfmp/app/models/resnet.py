@@ -2,19 +2,20 @@
 
 import keras
 
+from tfmp import bf16
 from tfmp.heads import classification_head
 
 
 def _block(x, filters, stride, name):
     shortcut = x
     y = keras.layers.Conv2D(filters, 3, stride, padding="same", use_bias=False, name=f"{name}_conv1")(x)
-    y = keras.layers.BatchNormalization(name=f"{name}_bn1")(y)
+    y = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_bn1")(y)
     y = keras.layers.ReLU(name=f"{name}_relu1")(y)
     y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
-    y = keras.layers.BatchNormalization(name=f"{name}_bn2")(y)
+    y = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_bn2")(y)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = keras.layers.Conv2D(filters, 1, stride, use_bias=False, name=f"{name}_proj")(shortcut)
-        shortcut = keras.layers.BatchNormalization(name=f"{name}_proj_bn")(shortcut)
+        shortcut = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_proj_bn")(shortcut)
     return keras.layers.ReLU(name=f"{name}_out")(keras.layers.Add(name=f"{name}_add")([shortcut, y]))
 
 
@@ -38,7 +39,7 @@ def build(num_classes, input_shape=(32, 32, 3), depth=20, width=16, **_):
     blocks = (depth - 2) // 6
     inputs = keras.Input(input_shape, name="image")
     x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False, name="stem_conv")(inputs)
-    x = keras.layers.BatchNormalization(name="stem_bn")(x)
+    x = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name="stem_bn")(x)
     x = keras.layers.ReLU(name="stem_relu")(x)
     for stage in range(3):
         for block in range(blocks):

@@ -1,0 +1,242 @@
+"""Pure bfloat16 training: weights and optimizer state stored in bfloat16, each update
+computed in float32 and written back with compensation.
+
+Keras' `bfloat16` policy stores the weights and the optimizer's slots in bfloat16 and
+computes the update there too: Adam's beta_2 = 0.999 rounds to 1.0, and any change smaller
+than half a bfloat16 step of its weight (2^-9 of it) rounds away, weight decay included.
+tfmp's update for a bfloat16 variable instead runs the optimizer's own `update_step`
+(Keras' code, unchanged) on float32 copies of the weight and its slots, hyperparameters in
+float32, with weight decay applied there first; then writes the results back:
+
+- `kahan` (the default): each weight has a bfloat16 compensation buffer holding what the
+  last rounding lost, so weight + buffer carries about 16 significant bits; the update is
+  applied to their float32 sum and the new residual is kept (Kahan summation, as in
+  optimi). Adam: 8 bytes a parameter.
+- `stochastic`: rounded up or down with probability proportional to the distance, so an
+  update is kept on average however small (torchao's bf16 stochastic rounding). The random
+  bits come from (seed, step, variable): every replica and worker rounds identically, and a
+  resumed run as the unbroken one would. Adam: 6 bytes a parameter.
+- `nearest`: round to nearest, what Keras does; kept for comparison.
+
+The slots have no buffer: under `kahan` and `stochastic` they are rounded stochastically
+(unbiased: Adam's second moment, which moves by 0.1% a step, would otherwise stall),
+under `nearest` to nearest.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmp import keras_compat
+from tfmp.errors import UsageError
+
+ROUNDINGS = ("kahan", "stochastic", "nearest")
+NEAREST_WARNING = (
+    "bfloat16 with rounding='nearest' (Keras' behaviour) drops every update smaller than half a bfloat16 step of "
+    "its weight (2^-9 of it): small learning rates, late training and weight decay stall; use rounding='kahan' "
+    "(--bf16_rounding=kahan) or 'stochastic'."
+)
+
+SUPPORTED = "SGD (with or without momentum), Adam, AdamW, Lion, Adafactor"
+_BUFFERS = "_tfmp_kahan"  # The optimizer's attribute holding the compensation buffers.
+
+
+def is_bfloat16(variable):
+    """Whether `variable` (a Keras or TensorFlow variable) is stored in bfloat16."""
+    return tf.as_dtype(variable.dtype) == tf.bfloat16
+
+
+@keras.saving.register_keras_serializable(package="tfmp")
+class Orthogonal(keras.initializers.Orthogonal):
+    """Keras' orthogonal initializer (an LSTM's recurrent kernel), computed in float32 and
+    cast: Keras' own calls a QR decomposition, which TensorFlow has no bfloat16 kernel for,
+    so a bfloat16 LSTM fails to build with it. The same values as Keras' for float32."""
+
+    def __call__(self, shape, dtype=None):
+        return keras.ops.cast(super().__call__(shape, dtype="float32"), dtype or keras.config.floatx())
+
+
+def check_supported(optimizer):
+    """Raises a UsageError naming `optimizer` if its update has no bfloat16 path here."""
+    if type(optimizer).update_step not in keras_compat.UPDATE_SLOTS:
+        raise UsageError(
+            f"bfloat16 weights: tfmp computes the updates of {SUPPORTED} in float32 and compensates their "
+            f"rounding; {type(optimizer).__name__} is none of them (a subclass that changes update_step is "
+            "not either). Use one of those, or --precision=mixed_bfloat16 (float32 weights)."
+        )
+    if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps", None):
+        raise UsageError(
+            f"bfloat16 weights: {type(optimizer).__name__}(use_ema=...) and Keras' gradient_accumulation_steps "
+            "are not compensated; leave them out (tfmp.fit's grad_accum_steps accumulates in float32)"
+        )
+
+
+def build(optimizer, variables, rounding):
+    """Makes the Kahan compensation buffers (one bfloat16 optimizer variable per bfloat16
+    weight, checkpointed with the optimizer) when `rounding` is kahan; no-op otherwise or
+    when they exist."""
+    if rounding != "kahan" or getattr(optimizer, _BUFFERS, None) is not None:
+        return
+    buffers = [optimizer.add_variable_from_reference(v, name="kahan") if is_bfloat16(v) else None for v in variables]
+    object.__setattr__(optimizer, _BUFFERS, buffers)
+
+
+class _View:
+    """A float32 stand-in for a bfloat16 variable inside Keras' `update_step`: reads give
+    its current value, assigns replace it (nothing is written until the end)."""
+
+    dtype = tf.float32
+
+    def __init__(self, value):
+        self.initial = self.value = tf.cast(value, tf.float32)
+
+    @property
+    def shape(self):
+        return self.value.shape
+
+    @property
+    def changed(self):
+        return self.value is not self.initial
+
+    def assign(self, value):
+        self.value = tf.cast(value, tf.float32)
+
+    def assign_add(self, value):
+        self.value = self.value + tf.cast(value, tf.float32)
+
+    def assign_sub(self, value):
+        self.value = self.value - tf.cast(value, tf.float32)
+
+
+tf.register_tensor_conversion_function(
+    _View, lambda view, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(view.value, dtype=dtype, name=name)
+)
+
+
+def round_nearest(x):
+    """float32 -> bfloat16, to nearest (even)."""
+    return tf.cast(x, tf.bfloat16)
+
+
+def round_stochastic(x, seed):
+    """float32 -> bfloat16, up or down with probability proportional to the distance.
+
+    Adds 16 random bits below the 16 that bfloat16 keeps, then truncates: the carry into
+    the kept bits happens with probability (dropped bits) / 2^16. `seed`: a shape [2]
+    integer tensor (tf.random's stateless seeds), the same on every replica."""
+    bits = tf.bitcast(tf.cast(x, tf.float32), tf.int32)
+    noise = tf.random.stateless_uniform(tf.shape(bits), seed=seed, minval=0, maxval=1 << 16, dtype=tf.int32)
+    kept = tf.bitwise.bitwise_and(bits + noise, tf.constant(-(1 << 16), tf.int32))
+    return tf.cast(tf.bitcast(kept, tf.float32), tf.bfloat16)
+
+
+def _seed(seed, step, index, part):
+    """The stateless seed of one variable's (`part` 0) or slot's rounding at `step`."""
+    base = np.int64(seed) * 1_000_003 + index * 16 + part
+    return tf.stack([tf.constant(base, tf.int64), tf.cast(step, tf.int64)])
+
+
+def update_step(optimizer, rounding, seed, fallback):
+    """tfmp's `update_step(gradient, variable, learning_rate)` for `optimizer`: compensated
+    float32 updates for bfloat16 variables (see the module), `fallback` for the others.
+
+    Args:
+        optimizer: a built Keras optimizer `check_supported` accepts (`build` already run).
+        rounding: one of `ROUNDINGS`.
+        seed: an integer, for stochastic rounding.
+        fallback: the update for float32 variables (Keras' own, or tfmp.fused's).
+    """
+    method = type(optimizer).update_step
+
+    def step(gradient, variable, learning_rate):
+        if not is_bfloat16(variable):
+            return fallback(gradient, variable, learning_rate)
+        index = keras_compat.variable_index(optimizer, variable)
+        step_count = optimizer.iterations
+        buffer = getattr(optimizer, _BUFFERS, None)
+        buffer = buffer[index] if buffer is not None else None
+        weight = _View(variable)
+        if buffer is not None:
+            weight = _View(tf.cast(variable, tf.float32) + tf.cast(buffer, tf.float32))
+        lr = tf.cast(learning_rate, tf.float32)
+        if keras_compat.decays(optimizer, variable):
+            weight.assign_sub(weight.value * tf.cast(optimizer.weight_decay, tf.float32) * lr)
+        slots = {name: (slot, _View(slot)) for name, slot in keras_compat.slots_of(optimizer, index).items()}
+        shadow = keras_compat.with_slots(optimizer, index, {name: view for name, (_, view) in slots.items()})
+        method(shadow, tf.cast(tf.convert_to_tensor(gradient), tf.float32), weight, lr)
+        _write(variable, buffer, weight.value, rounding, _seed(seed, step_count, index, 0))
+        for part, (slot, view) in enumerate(slots.values(), 1):
+            if not view.changed:
+                continue
+            if not is_bfloat16(slot):  # A float32 slot (an optimizer that makes its own): as computed.
+                slot.assign(view.value)
+            elif rounding == "nearest":
+                slot.assign(round_nearest(view.value))
+            else:
+                slot.assign(round_stochastic(view.value, _seed(seed, step_count, index, part)))
+
+    step.densifies = lambda variable: is_bfloat16(variable) or getattr(fallback, "densifies", lambda _: False)(variable)
+    return step
+
+
+def _write(variable, buffer, value, rounding, seed):
+    """Stores float32 `value` into bfloat16 `variable` with `rounding` (Kahan: the rest in
+    `buffer`)."""
+    if rounding == "kahan":
+        kept = round_nearest(value)
+        variable.assign(kept)
+        buffer.assign(round_nearest(value - tf.cast(kept, tf.float32)))
+    elif rounding == "stochastic":
+        variable.assign(round_stochastic(value, seed))
+    else:
+        variable.assign(round_nearest(value))
+
+
+def weight_decay_filter(variable):
+    """Whether Keras' own weight decay may touch `variable`: not a bfloat16 one, decayed in
+    float32 by `update_step`."""
+    return not is_bfloat16(variable)
+
+
+def bytes_per_parameter(model, optimizer=None):
+    """(bytes of the trainable weights and the optimizer's variables) / trainable
+    parameters; the optimizer's scalars (step count, learning rate) are left out."""
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    total = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.trainable_variables)
+    if optimizer is not None:
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        total += sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in inner.variables if len(v.shape))
+    return total / max(params, 1)
+
+
+def statistics_policy():
+    """The dtype policy for a BatchNormalization layer under the global policy: where that
+    stores variables in bfloat16, mixed_bfloat16 (float32 moving statistics, bfloat16
+    compute); else None, the global one. Its moving mean and variance are assigned in its
+    call, not by the optimizer, so nothing compensates them, and at momentum 0.99 a move of
+    1% of the gap rounds away in bfloat16 until the gap is ~40% of the statistic."""
+    return "mixed_bfloat16" if keras.config.dtype_policy().variable_dtype == "bfloat16" else None
+
+
+def warn_bfloat16_statistics(model):
+    """One warning naming `model`'s BatchNormalization layers whose moving statistics are
+    bfloat16 (see `statistics_policy`); returns their paths."""
+    stuck = [
+        layer.path or layer.name
+        for layer in keras_compat.sublayers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) and is_bfloat16(layer.moving_mean)
+    ]
+    if stuck:
+        logging.warning(
+            "BatchNormalization %s keep their moving statistics in bfloat16, where their updates round away "
+            "(nothing compensates them: they are not trained by the optimizer); build them with "
+            "dtype=tfmp.bf16.statistics_policy() (float32 statistics) or dtype='float32'.",
+            ", ".join(stuck[:5]) + (f" and {len(stuck) - 5} more" if len(stuck) > 5 else ""),
+        )
+    return stuck
+
+
+def warn_if_nearest(rounding):
+    if rounding == "nearest":
+        logging.warning(NEAREST_WARNING)
