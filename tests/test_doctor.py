@@ -323,3 +323,22 @@ def test_diagnose_a_model_built_under_a_mirrored_strategy(mirrored):
     assert diagnosis.keep_float32 == ["blowup"] and diagnosis.steps == 3
     for a, b in zip(before, model.weights, strict=True):
         np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_the_updates_bfloat16_weights_would_lose_to_nearest_rounding_per_layer():
+    """Adam's first steps move every weight by about the learning rate: 1e-4 is far below
+    half a bfloat16 step of the weights of 100 in `large`, and above it for `small`'s."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(4, kernel_initializer=keras.initializers.Constant(100.0), name="large"),
+            keras.layers.Dense(1, kernel_initializer=keras.initializers.Constant(1e-3), name="small"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    diagnosis = tfmp.diagnose(model, data(), steps=2)
+    lost = {r["name"].split("/")[-1]: r["bfloat16_nearest_dropped"] for r in diagnosis.layers}
+    assert lost["large"] == 32 / 36 and lost["small"] < 0.1, lost  # Its kernel's 32, not its 4 biases (at 0).
+    assert "bf16 lost: weights stored in bfloat16 would lose up to" in diagnosis.table()
+    assert doctor.nearest_drops(np.float32([100.0, 1.0]), np.float32([100.0001, 1.5])).tolist() == [1, 2]

@@ -10,7 +10,7 @@ import tempfile
 import keras
 from absl import app, flags
 
-from tfmp import cli, data, doctor, files, float8, precision
+from tfmp import bf16, cli, data, doctor, files, float8, precision
 from tfmp.app import models, training
 
 FLAGS = flags.FLAGS
@@ -23,9 +23,11 @@ def define_flags():
     flags.DEFINE_enum(
         "policy",
         "mixed_float16",
-        ["mixed_float16", "mixed_bfloat16", "float8"],
-        "The policy the model is built under (float8: bfloat16 with float8 matmuls).",
+        ["mixed_float16", "mixed_bfloat16", "float8", "bfloat16"],
+        "The policy the model is built under (float8: bfloat16 with float8 matmuls; bfloat16: weights and "
+        "optimizer state in bfloat16, updates rounded by --bf16_rounding).",
     )
+    flags.DEFINE_enum("bf16_rounding", "kahan", list(bf16.ROUNDINGS), "Under --policy=bfloat16: see train.py.")
     flags.DEFINE_string(
         "baseline", None, "The policy --parity compares --policy with (default: float32; mixed_bfloat16 for float8)."
     )
@@ -52,6 +54,7 @@ def run_parity():
                 batch_size=FLAGS.batch_size,
                 learning_rate=FLAGS.learning_rate,
                 seed=seed,
+                bf16_rounding=FLAGS.bf16_rounding,
                 deterministic=True,
                 checkpoint_every=0,
                 model_dir=model_dir,
@@ -71,10 +74,11 @@ def run_parity():
         f"difference {result['difference']:+.4f}, standard error {result['noise']:.4f}: {verdict} the seed-to-seed "
         "noise (2 standard errors)"
     )
-    if FLAGS.policy == "float8":  # The float8 target: within half a point of its base.
+    if FLAGS.policy in ("float8", "bfloat16"):  # Their targets: within half a point of the baseline.
         close = abs(result["difference"]) <= 0.005
         verdict = "within" if close else "BEYOND"
-        print(f"float8 against {baseline}: {100 * result['difference']:+.2f} points, {verdict} 0.5 point")
+        name = f"bfloat16 ({FLAGS.bf16_rounding})" if FLAGS.policy == "bfloat16" else FLAGS.policy
+        print(f"{name} against {baseline}: {100 * result['difference']:+.2f} points, {verdict} 0.5 point")
     return result
 
 

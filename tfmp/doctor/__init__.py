@@ -17,6 +17,6 @@ application's: `tfmp/app/doctor_cli.py`.
 """
 
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
-from tfmp.doctor.measure import diagnose, localize_non_finite, parity
+from tfmp.doctor.measure import diagnose, localize_non_finite, nearest_drops, parity
 
-__all__ = ["FLOAT16_MAX", "Diagnosis", "diagnose", "localize_non_finite", "parity"]
+__all__ = ["FLOAT16_MAX", "Diagnosis", "diagnose", "localize_non_finite", "nearest_drops", "parity"]

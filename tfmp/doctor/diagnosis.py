@@ -18,7 +18,10 @@ class Diagnosis:
 
     Attributes:
         layers: one record per layer (name, class, compute dtype in the model, output and
-            gradient ranges, float16 overflow and underflow, bfloat16 output error).
+            gradient ranges, float16 overflow and underflow, bfloat16 output error, and
+            `bfloat16_nearest_dropped`: the fraction of its weights' updates that weights
+            stored in bfloat16 would lose to round-to-nearest, Keras' `bfloat16` policy,
+            which `--precision=bfloat16`'s compensated rounding keeps).
         keep_float32: layers to keep in float32: their outputs exceed float16's maximum,
             or they would cast such an input to 16 bits (the consumers), or their
             gradients exceed it even at loss scale 1. Pass it to `tfmp.keep_float32`.
@@ -55,7 +58,8 @@ class Diagnosis:
         scale = self.recommended_loss_scale
         head = (
             f"{'layer':24s} {'dtype':8s} {'max |out|':>10s} {'max |grad|':>10s} "
-            f"{'<2^-24 @1':>9s} {'<2^-14 @1':>9s} {f'<2^-24 @2^{int(math.log2(scale))}':>11s} {'bf16 err':>8s}"
+            f"{'<2^-24 @1':>9s} {'<2^-14 @1':>9s} {f'<2^-24 @2^{int(math.log2(scale))}':>11s} {'bf16 err':>8s} "
+            f"{'bf16 lost':>9s}"
         )
         lines = [head]
         for r in self.layers:
@@ -66,12 +70,19 @@ class Diagnosis:
                 f"{r['name'][:24]:24s} {r['compute_dtype']:8s} "
                 f"{r['output_max_abs']:10.3g} {r['gradient_max_abs']:10.3g} "
                 f"{r['underflow_at_1']:9.1%} {r['subnormal_at_1']:9.1%} {r['underflow_at_recommended']:11.1%} "
-                f"{r['bfloat16_relative_error']:8.1%}{mark}"
+                f"{r['bfloat16_relative_error']:8.1%} {r.get('bfloat16_nearest_dropped', 0.0):9.1%}{mark}"
             )
         lines.append(f"keep in float32: {', '.join(self.keep_float32) or 'none'}")
         lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
         if self.bfloat16_sensitive:
             lines.append(f"bfloat16-sensitive (>5% output error): {', '.join(self.bfloat16_sensitive)}")
+        lost = [r for r in self.layers if r.get("bfloat16_nearest_dropped", 0.0) > 0.01]
+        if lost:
+            worst = max(lost, key=lambda r: r["bfloat16_nearest_dropped"])
+            lines.append(
+                f"bf16 lost: weights stored in bfloat16 would lose up to {worst['bfloat16_nearest_dropped']:.0%} of "
+                f"their updates to rounding ({worst['name']}); --precision=bfloat16 compensates (--bf16_rounding)"
+            )
         if self.show_float8 and self.float8:
             lines += self._float8_lines()
         return "\n".join(lines)

@@ -59,6 +59,7 @@ def diagnose(model, data, steps=8):
         zeros = np.zeros(len(layers), dtype=np.int64)
         grad_max = np.zeros(len(layers))
         bf16_error = np.zeros(len(layers))
+        dropped = np.zeros((len(layers), 2), dtype=np.int64)  # Updates nearest would drop, updates made.
         order, done = None, 0
         matmuls = {id(layer) for layer in float8.matmul_layers(model)}
         calls.float8 = {i for i, layer in enumerate(layers) if id(layer) in matmuls}
@@ -95,18 +96,35 @@ def diagnose(model, data, steps=8):
                 hist[i] += counts
                 zeros[i] += z
                 grad_max[i] = max(grad_max[i], float(values.max(initial=0.0)))
+            before = [np.asarray(v, np.float32) for v in variables]
             _apply(model.distribute_strategy, optimizer, grads, variables)
+            for v, old in zip(variables, before, strict=True):
+                if id(v) in owner:
+                    dropped[owner[id(v)]] += nearest_drops(old, np.asarray(v, np.float32))
             done += 1
     if not done:
         raise UsageError("diagnose got no batches from the data")
     order += [i for i in range(len(layers)) if i not in order]  # Layers the forward pass never called.
     diagnosis = _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, done)
+    for record, i in zip(diagnosis.layers, order, strict=True):
+        record["bfloat16_nearest_dropped"] = float(dropped[i, 0] / dropped[i, 1]) if dropped[i, 1] else 0.0
     diagnosis.float8 = [
         float8.layer_report(layers[i].path or layers[i].name, *delayed[i]) for i in sorted(delayed, key=order.index)
     ]
     diagnosis.keep_bfloat16 = [r["name"] for r in diagnosis.float8 if r["keep_bfloat16"]]
     diagnosis.show_float8 = bool(float8.quantized_layers(model)) or precision.float8_enabled()
     return diagnosis
+
+
+def nearest_drops(old, new):
+    """(elements whose float32 update bfloat16 weights would lose under round-to-nearest,
+    elements updated): the update `new - old` applied to `old` rounded to bfloat16 rounds
+    back to it (Keras' `bfloat16` policy; tfmp.bf16's `nearest`)."""
+    low = tf.cast(tf.cast(old, tf.bfloat16), tf.float32)
+    update = new - old
+    moved = update != 0
+    lost = tf.logical_and(moved, tf.equal(tf.cast(low + update, tf.bfloat16), tf.cast(low, tf.bfloat16)))
+    return np.array([int(tf.reduce_sum(tf.cast(lost, tf.int64))), int(np.sum(moved))])
 
 
 def _apply(strategy, optimizer, grads, variables):
