@@ -21,7 +21,7 @@ def test_bench_writes_figures(tmp_path):
             "-m",
             "tfmp.bench",
             "--models=cnn",
-            "--policies=float32,mixed_bfloat16",
+            "--policies=float32,mixed_bfloat16,bfloat16",
             "--batch_size=32",
             "--rounds=2",
             "--round_seconds=2",
@@ -53,6 +53,8 @@ def test_bench_writes_figures(tmp_path):
         assert set(row["possible_speedup"]) == {"matmul", "conv"} and "share_of_possible_gain" in row
         assert isinstance(row["jit_compile"]["tfmp"], bool) and isinstance(row["jit_compile"]["keras"], bool)
     assert rows["float32"]["speedup_vs_float32"] == 1.0
+    assert rows["bfloat16"]["state_mb"] < 0.7 * rows["mixed_bfloat16"]["state_mb"]  # Kahan's 8 bytes against 12.
+    assert rows["bfloat16"]["examples_per_second"] > 0
     for op in ("matmul", "conv"):
         assert set(bench["peaks"][op]) == set(rows) and min(p["flops"] for p in bench["peaks"][op].values()) > 0
     (choice,) = bench["choices"]

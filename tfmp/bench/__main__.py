@@ -32,7 +32,12 @@ flags.DEFINE_list(
     "(224x224x3), bert_base (12 x 768, sequence 128) and encoder_4096 on synthetic data. Default: the "
     "bundled ones on a CPU, resnet50 and bert_base on a GPU (the bundled ones are too small to fill it).",
 )
-flags.DEFINE_list("policies", ["float32", "mixed_bfloat16", "mixed_float16"], "Policies to compare.")
+flags.DEFINE_list(
+    "policies",
+    ["float32", "mixed_bfloat16", "mixed_float16", "bfloat16"],
+    "Policies to compare (bfloat16: weights and optimizer state in bfloat16, Kahan-compensated updates; its "
+    "'state MB' is half of float32's).",
+)
 flags.DEFINE_integer(
     "batch_size",
     None,

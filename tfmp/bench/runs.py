@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import callbacks, float8, loop, loss_scale, precision, timing
+from tfmp import bf16, callbacks, float8, loop, loss_scale, precision, timing
 from tfmp.app import autotune, models
 from tfmp.bench import lockstep, measure, realsize
 from tfmp.bench.tables import CONV_MODELS, TRAINERS
@@ -170,6 +170,10 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
                 "steps_timed": len(ours.step_times),
                 "final_loss": ours.loss,
                 "peak_memory_mb": ours.memory / 2**20,
+                # Weights and optimizer state as tfmp.fit keeps them (bfloat16: half of float32's).
+                "state_mb": bf16.bytes_per_parameter(ours.model, ours.model.optimizer)
+                * sum(int(np.prod(v.shape)) for v in ours.model.trainable_variables)
+                / 2**20,
                 "train_flops_per_example": flops,
                 "mfu": flops * rate / peaks["matmul"][policy]["flops"],
                 "input_examples_per_second": rate_in,

@@ -49,7 +49,7 @@ def table(rows):
     """The console (and README) table."""
     head = (
         "model", "policy", "ex/s", "vs fp32", "possible", "share", "Keras fit ex/s", "tfmp/Keras", "XLA tfmp/Keras",
-        "MFU", "peak MB",
+        "MFU", "peak MB", "state MB",
     )  # fmt: skip
     torch = _has_pytorch(rows)
     head += ("PyTorch AMP ex/s",) if torch else ()
@@ -74,6 +74,7 @@ def table(rows):
                 "/".join("on" if r["jit_compile"][t] else "off" for t in TRAINERS),
                 fmt(100 * r["mfu"], ".0f", "%"),
                 f"{r['peak_memory_mb']:,.0f}",
+                f"{r['state_mb']:,.1f}" if "state_mb" in r else "-",
             )
             + ((_pytorch_rate(r),) if torch else ())
         )
@@ -159,8 +160,8 @@ def markdown(result):
         if not rows
         else [
             "| model | policy | tfmp ex/s | vs float32 | possible (peaks) | share of it | Keras fit ex/s "
-            "| tfmp / Keras | XLA tfmp / Keras | MFU | peak MB |" + (" PyTorch AMP ex/s |" if torch else ""),
-            "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if torch else ""),
+            "| tfmp / Keras | XLA tfmp / Keras | MFU | peak MB | state MB |" + (" PyTorch AMP ex/s |" if torch else ""),
+            "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if torch else ""),
         ]
     )
     for r in rows:
@@ -172,7 +173,8 @@ def markdown(result):
             f"{f'{100 * share:.0f}%' if share is not None else '-'} | {_rate(r['keras_fit_examples_per_second'])} | "
             f"{_versus_keras(r)} | "
             f"{' / '.join('on' if r['jit_compile'][t] else 'off' for t in TRAINERS)} | {100 * r['mfu']:.0f}% | "
-            f"{r['peak_memory_mb']:,.0f} |" + (f" {_pytorch_rate(r)} |" if torch else "")
+            f"{r['peak_memory_mb']:,.0f} | {r.get('state_mb', math.nan):,.1f} |"
+            + (f" {_pytorch_rate(r)} |" if torch else "")
         )
     if result.get("versus_keras"):
         out += ["", versus_keras_text(result["versus_keras"])]
