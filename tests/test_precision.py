@@ -138,3 +138,13 @@ def test_keep_float32_block_matches_names_inside_a_sequential_and_nests(caplog):
     (message,) = _keep_float32_warnings(caplog)
     assert message.startswith("keep_float32: 'logits' matched no layer")
     assert keras.config.dtype_policy().name == "mixed_float16"
+
+
+def test_keep_float32_block_covers_the_layers_inside_a_named_one():
+    """An LSTM's weights are its cell's (path lstm/lstm_cell): naming the LSTM keeps them float32."""
+    keras.config.set_dtype_policy("mixed_float16")
+    with tfmp.keep_float32(["recurrent"]):
+        model = keras.Sequential([keras.Input((4, 3)), keras.layers.LSTM(5, name="recurrent"), keras.layers.Dense(2)])
+    lstm = model.get_layer("recurrent")
+    assert lstm.cell.compute_dtype == "float32" and lstm.compute_dtype == "float32"
+    assert model.layers[-1].compute_dtype == "float16"

@@ -304,6 +304,13 @@ def _patterns(names_or_regexes):
     return patterns
 
 
+def _in_block(pattern):
+    """What a keep_float32 pattern matches in a block: a layer whose path, or any part of
+    it, it matches (a Sequential's layers have paths "sequential/NAME"), and the layers
+    inside it (an LSTM's weights are its cell's, at "lstm/lstm_cell")."""
+    return f"(?:.*/)?(?:{pattern})(?:/.*)?"
+
+
 def _matches(pattern, path, name=None):
     """Whether a keep_float32 pattern names a layer: its whole path, or its name."""
     return any(re.fullmatch(pattern, n or "") for n in (path, name or (path or "").rsplit("/", 1)[-1]))
@@ -338,10 +345,8 @@ def _keep_float32_block(patterns):
         if any(policy.name != "float32" for policy in previous.values()):
             raise UsageError("keep_float32: the global policy is a DTypePolicyMap of other dtypes; set a policy first")
         default, outer = previous.default_policy, list(previous.keys())
-    # One key: DTypePolicyMap refuses a path that matches two of its keys. Each pattern
-    # matches a path, or a name: the path's last part (a Sequential's layers have
-    # paths "sequential/NAME").
-    combined = "|".join([*outer, *(f"(?:{p})|(?:.*/(?=[^/]*$)(?:{p}))" for p in patterns)])
+    # One key: DTypePolicyMap refuses a path that matches two of its keys.
+    combined = "|".join([*outer, *(_in_block(p) for p in patterns)])
     policy_map = keras.dtype_policies.DTypePolicyMap(default, {combined: keras.DTypePolicy("float32")})
     keras.config.set_dtype_policy(policy_map)
     try:
@@ -356,7 +361,7 @@ def _warn_unmatched(patterns, paths, policy):
     """One warning naming the patterns that matched none of the layers built in a
     `keep_float32` block (a typo, or another naming), with some of the real paths. Where no
     layer was built in the block its layers' paths are not known yet: nothing to say."""
-    unmatched = [p for p in patterns if not any(_matches(p, path) for path in paths)]
+    unmatched = [p for p in patterns if not any(re.fullmatch(_in_block(p), path) for path in paths)]
     if not paths or not unmatched:
         return
     real = sorted(paths)
