@@ -75,7 +75,7 @@ def test_autotune_skips_a_policy_whose_loss_is_not_finite(tmp_path, monkeypatch)
 
 
 def test_unknown_precision_lists_autotune():
-    with pytest.raises(UsageError, match="unknown --precision='fast'.*float32, float8, autotune"):
+    with pytest.raises(UsageError, match="unknown --precision='fast'.*float32, float8, bfloat16, autotune"):
         training.validate(training.Config(precision="fast"))
 
 

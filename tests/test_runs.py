@@ -370,8 +370,9 @@ def test_sigterm_whose_exception_a_finalizer_drops_still_preempts(tmp_path):
         stop = threading.Event()
         with guards.sigterm_sets(stop, active=True):
             assert stop.is_set()  # tfmp.fit saves a checkpoint and raises at its first step.
+    assert not guards.SIGTERM_RECEIVED.is_set()  # Nothing left for a later run in this process.
     with cli.sigterm_exits_75(str(tmp_path)):
-        pass  # A new run starts clean.
+        pass
 
 
 def test_preempted_wrapped_by_tracing_still_exits_75_with_one_line(capsys):
