@@ -118,21 +118,26 @@ def test_lstm_feeds_cudnn_no_fully_masked_row(tmp_path, cudnn_mask_check):
     assert np.isfinite(metrics["test_loss"])
 
 
-@pytest.mark.parametrize("model", ["resnet", "transformer"])
-def test_other_models_train(tmp_path, model):
+def short_run(tmp_path, model, steps, **settings):
+    """A bundled model's train_and_evaluate on small synthetic data: its metrics."""
     config = training.Config(
         model=model,
         dataset="synthetic",
-        precision="mixed_bfloat16",
         batch_size=8,
         epochs=1,
-        steps_per_epoch=2,
+        steps_per_epoch=steps,
         model_dir=str(tmp_path),
         verbose=0,
         vocab_size=300,
         sequence_length=16,
+        **settings,
     )
-    metrics = training.train_and_evaluate(config)
+    return training.train_and_evaluate(config)
+
+
+@pytest.mark.parametrize("model", ["resnet", "transformer"])
+def test_other_models_train(tmp_path, model):
+    metrics = short_run(tmp_path, model, 2, precision="mixed_bfloat16")
     assert metrics["steps"] == 2 and np.isfinite(metrics["test_loss"])
 
 
@@ -141,20 +146,7 @@ def test_bfloat16_weights_train_every_bundled_kind(tmp_path, model, rounding, mo
     """--precision=bfloat16: the LSTM builds (Keras' orthogonal initializer has no bfloat16
     QR), BatchNormalization's statistics stay float32 (ResNet: 8.1 bytes), and the run
     reports the bytes a parameter its weights and optimizer state take."""
-    config = training.Config(
-        model=model,
-        dataset="synthetic",
-        precision="bfloat16",
-        bf16_rounding=rounding,
-        batch_size=8,
-        epochs=1,
-        steps_per_epoch=3,
-        model_dir=str(tmp_path),
-        verbose=0,
-        vocab_size=300,
-        sequence_length=16,
-    )
-    metrics = training.train_and_evaluate(config)
+    metrics = short_run(tmp_path, model, 3, precision="bfloat16", bf16_rounding=rounding)
     assert metrics["steps"] == 3 and np.isfinite(metrics["test_loss"]) and metrics["policy"] == "bfloat16"
     assert metrics["bf16_rounding"] == rounding and metrics["bytes_per_parameter"] <= most_bytes
 

@@ -72,6 +72,24 @@ def check_supported(optimizer):
         )
 
 
+def holds_bfloat16(model):
+    """Whether any trainable weight of `model` is stored in bfloat16."""
+    return any(is_bfloat16(v) for v in model.trainable_variables)
+
+
+def applier_hooks(optimizer, variables, strategy, rounding, seed, update=None):
+    """(update_step, weight_decay_filter) for tfmp's applier of `optimizer`: where any of
+    `variables` is bfloat16, the compensated `update_step` (falling back to `update`, else
+    Keras' own, for the others) and the filter keeping Keras' bfloat16 weight decay off,
+    after checking the optimizer and building its buffers; else (`update`, None)."""
+    if not any(is_bfloat16(v) for v in variables):
+        return update, None
+    check_supported(optimizer)
+    with strategy.scope():
+        build(optimizer, variables, rounding)
+    return update_step(optimizer, rounding, seed, update or optimizer.update_step), weight_decay_filter
+
+
 def build(optimizer, variables, rounding):
     """Makes the Kahan compensation buffers (one bfloat16 optimizer variable per bfloat16
     weight, checkpointed with the optimizer) when `rounding` is kahan; no-op otherwise or
@@ -199,15 +217,18 @@ def weight_decay_filter(variable):
     return not is_bfloat16(variable)
 
 
+def state_bytes(model, optimizer=None):
+    """Bytes of the trainable weights and the optimizer's variables (its scalars, the step
+    count and learning rate, left out)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    state = [v for v in inner.variables if len(v.shape)] if inner is not None else []
+    return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in [*model.trainable_variables, *state])
+
+
 def bytes_per_parameter(model, optimizer=None):
-    """(bytes of the trainable weights and the optimizer's variables) / trainable
-    parameters; the optimizer's scalars (step count, learning rate) are left out."""
+    """`state_bytes` per trainable parameter."""
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    total = sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in model.trainable_variables)
-    if optimizer is not None:
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        total += sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in inner.variables if len(v.shape))
-    return total / max(params, 1)
+    return state_bytes(model, optimizer) / max(params, 1)
 
 
 def statistics_policy():

@@ -57,7 +57,7 @@ def slot(optimizer, name, variable):
     `variable` (Adam's first and second moments, SGD's momentum)."""
     slots = getattr(optimizer, f"_{name}", None)  # Adam's; SGD keeps `momentums` without the underscore.
     slots = getattr(optimizer, name) if slots is None else slots
-    return slots[optimizer._get_variable_index(variable)]  # noqa: SLF001
+    return slots[variable_index(optimizer, variable)]
 
 
 def trained_variables(optimizer):

@@ -87,14 +87,9 @@ class Steps:
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
         self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
-        decay_filter = None
-        if any(self._bf16):
-            bf16.check_supported(inner)
-            with strategy.scope():
-                bf16.build(inner, self.variables, bf16_rounding)
-            fallback = self._update_step or inner.update_step
-            self._update_step = bf16.update_step(inner, bf16_rounding, seed, fallback)
-            decay_filter = bf16.weight_decay_filter
+        self._update_step, decay_filter = bf16.applier_hooks(
+            inner, self.variables, strategy, bf16_rounding, seed, self._update_step
+        )
         # What applies the all-reduced gradients: tfmp's own copy of the optimizer, sharing
         # its variables; the user's optimizer object is never changed (keras_compat).
         self._applier = keras_compat.reduced_applier(

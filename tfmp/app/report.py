@@ -9,11 +9,6 @@ import numpy as np
 from tfmp import bf16, distribute
 
 
-def bf16_weights(model):
-    """Whether any trainable weight of `model` is stored in bfloat16 (--precision=bfloat16)."""
-    return any(bf16.is_bfloat16(v) for v in model.trainable_variables)
-
-
 def summary(config, decision, strategy, plan, source, model, steps, start_step=0, xla=(False, "off")):
     """The one-screen summary printed before training; `xla` is (XLA on?, why)."""
     lines = [
@@ -27,7 +22,8 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
         f"{config.epochs} epochs x {steps} updates",
         f"XLA         {'on' if xla[0] else 'off'} ({xla[1]})",
         f"memory      {bf16.bytes_per_parameter(model, model.optimizer):.1f} bytes a parameter (weights and "
-        "optimizer state)" + (f", bfloat16 updates rounded: {config.bf16_rounding}" if bf16_weights(model) else ""),
+        "optimizer state)"
+        + (f", bfloat16 updates rounded: {config.bf16_rounding}" if bf16.holds_bfloat16(model) else ""),
         "batch",
         plan.table(),
         "=" * 72,

@@ -35,21 +35,18 @@ from tfmp.heads import audit
 def _steps_per_epoch(config, ds, plan):
     if config.steps_per_epoch:
         return config.steps_per_epoch
-    if ds.source.train_size:
-        steps = ds.source.train_size // plan.effective_batch
-    else:
-        steps = int(ds.make_train().cardinality()) // plan.grad_accum_steps
+    size = ds.source.train_size
+    batches = size // plan.global_batch if size else int(ds.make_train().cardinality())  # Full global batches.
+    steps = batches // plan.grad_accum_steps
     if steps < 1:
-        raise UsageError(_no_full_update(config, ds, plan))
+        raise UsageError(_no_full_update(config, size, batches, plan))
     return steps
 
 
-def _no_full_update(config, ds, plan):
-    """The refusal for an epoch shorter than one update: the flag to change and the largest
-    value of it that fits."""
-    size = ds.source.train_size
+def _no_full_update(config, size, batches, plan):
+    """The refusal for an epoch (`size` examples, None if unknown, in `batches` global
+    batches) shorter than one update: the flag to change and the largest value that fits."""
     epoch = f"an epoch of {size} examples" if size else "an epoch"
-    batches = size // plan.global_batch if size else int(ds.make_train().cardinality())
     update = f"{plan.effective_batch} examples (--batch_size={config.batch_size}"
     if plan.grad_accum_steps > 1 and batches >= 1:
         return (
@@ -234,7 +231,7 @@ def _record(config, run, model, fitted, say):
         "final_loss_scale": loss_scale.loss_scale_of(optimizer),
         "peak_memory_mb": callbacks.peak_memory_mb(),
         "bytes_per_parameter": bf16.bytes_per_parameter(model, optimizer),  # Weights and optimizer state.
-        "bf16_rounding": config.bf16_rounding if report.bf16_weights(model) else None,
+        "bf16_rounding": config.bf16_rounding if bf16.holds_bfloat16(model) else None,
         "seed": config.seed,
         "weights_sha256": report.weights_fingerprint(model),
     }

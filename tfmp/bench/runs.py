@@ -171,9 +171,7 @@ def bench_model(name, policies, batch_size, rounds, round_seconds, max_steps, pe
                 "final_loss": ours.loss,
                 "peak_memory_mb": ours.memory / 2**20,
                 # Weights and optimizer state as tfmp.fit keeps them (bfloat16: half of float32's).
-                "state_mb": bf16.bytes_per_parameter(ours.model, ours.model.optimizer)
-                * sum(int(np.prod(v.shape)) for v in ours.model.trainable_variables)
-                / 2**20,
+                "state_mb": bf16.state_bytes(ours.model, ours.model.optimizer) / 2**20,
                 "train_flops_per_example": flops,
                 "mfu": flops * rate / peaks["matmul"][policy]["flops"],
                 "input_examples_per_second": rate_in,

@@ -6,16 +6,21 @@ from tfmp import bf16
 from tfmp.heads import classification_head
 
 
+def _batch_norm(name):
+    # Float32 moving statistics under --precision=bfloat16 (bf16.statistics_policy).
+    return keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=name)
+
+
 def _block(x, filters, stride, name):
     shortcut = x
     y = keras.layers.Conv2D(filters, 3, stride, padding="same", use_bias=False, name=f"{name}_conv1")(x)
-    y = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_bn1")(y)
+    y = _batch_norm(f"{name}_bn1")(y)
     y = keras.layers.ReLU(name=f"{name}_relu1")(y)
     y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
-    y = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_bn2")(y)
+    y = _batch_norm(f"{name}_bn2")(y)
     if stride != 1 or shortcut.shape[-1] != filters:
         shortcut = keras.layers.Conv2D(filters, 1, stride, use_bias=False, name=f"{name}_proj")(shortcut)
-        shortcut = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name=f"{name}_proj_bn")(shortcut)
+        shortcut = _batch_norm(f"{name}_proj_bn")(shortcut)
     return keras.layers.ReLU(name=f"{name}_out")(keras.layers.Add(name=f"{name}_add")([shortcut, y]))
 
 
@@ -39,7 +44,7 @@ def build(num_classes, input_shape=(32, 32, 3), depth=20, width=16, **_):
     blocks = (depth - 2) // 6
     inputs = keras.Input(input_shape, name="image")
     x = keras.layers.Conv2D(width, 3, padding="same", use_bias=False, name="stem_conv")(inputs)
-    x = keras.layers.BatchNormalization(dtype=bf16.statistics_policy(), name="stem_bn")(x)
+    x = _batch_norm("stem_bn")(x)
     x = keras.layers.ReLU(name="stem_relu")(x)
     for stage in range(3):
         for block in range(blocks):
