@@ -151,6 +151,18 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     assert np.array_equal(rounded, again) and not np.array_equal(rounded, other)
 
 
+def test_random_bits_are_the_same_with_and_without_xla():
+    """A resumed run, another replica or another jit_compile setting rounds alike."""
+    seed = tf.constant([2**40 + 5, 9], tf.int64)
+    eager = bf16.random_bits([300, 7], seed).numpy()
+    compiled = tf.function(lambda s: bf16.random_bits([300, 7], s), jit_compile=True)(seed).numpy()
+    assert np.array_equal(eager, compiled)
+    low = (eager & 0xFFFF).astype(np.float64) / 2**16  # The bits round_stochastic adds: uniform.
+    assert abs(low.mean() - 0.5) < 0.02 and abs(low.std() - 12**-0.5) < 0.02
+    other = bf16.random_bits([300, 7], tf.constant([5, 9], tf.int64)).numpy()  # The high word counts.
+    assert np.mean(eager == other) < 0.01
+
+
 def test_nearest_warns_what_it_loses(caplog):
     with caplog.at_level(logging.WARNING):
         tfmp.configure_precision("bfloat16", rounding="nearest")
