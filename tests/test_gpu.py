@@ -1,5 +1,5 @@
 """What only a GPU shows: cuDNN's LSTM, XLA compiling tfmp's real step, the no-merge-call
-branch, Tensor Cores under the mixed policies, peak GPU memory per policy. Every test is
+branch, Tensor Cores under the mixed policies, float8 GEMMs, peak GPU memory per policy. Every test is
 marked `gpu` and skips, saying so, where TensorFlow sees no GPU (`-m gpu` runs them alone)."""
 
 import keras
@@ -11,6 +11,7 @@ import tiny
 import tfmp
 from tfmp import data
 from tfmp.app import models, training
+from tfmp.bench import float8_hlo
 
 pytestmark = pytest.mark.gpu
 
@@ -70,6 +71,19 @@ def test_mixed_policies_run_matmuls_on_tensor_cores(policy, dtype):
     hlo = tf.function(layer, jit_compile=True).experimental_get_compiler_ir(tf.ones((256, 1024)))(stage="optimized_hlo")
     gemms = [line for line in hlo.splitlines() if "__cublas$" in line]
     assert gemms and all(f"{dtype}[" in line for line in gemms), "\n".join(gemms) or hlo[-3000:]
+
+
+def test_float8_dense_step_runs_a_float8_gemm():
+    """A float8 Dense's training step compiles to at least one cuBLASLt float8 GEMM (Ada,
+    Hopper and newer: compute capability 8.9). Its GEMMs by kind are printed either way."""
+    gpu = tf.config.list_physical_devices("GPU")[0]
+    capability = tf.config.experimental.get_device_details(gpu).get("compute_capability", (0, 0))
+    if tuple(capability) < (8, 9):
+        pytest.skip(f"float8 GEMMs need compute capability 8.9 or newer; this GPU has {capability}")
+    found = float8_hlo.probe()
+    print({case["case"]: case["gemms"] for case in found})
+    dense = found[0]
+    assert dense["gemms"]["float8"] >= 1, "\n".join(dense["lines"])
 
 
 def test_peak_gpu_memory_is_reported_per_policy(tmp_path, capsys):

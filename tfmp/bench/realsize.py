@@ -44,18 +44,43 @@ def encoder_4096(num_classes=2):
     return _encoder(num_classes, width=4096, heads=32, layers=4)
 
 
-def synthetic(name, batch_size, seed=0):
+def synthetic(name, batch_size, seed=0, image_size=224, sequence_length=128):
     """An endless dataset of one random batch of the model's input and labels."""
     rng = np.random.default_rng(seed)
     if name == "resnet50":
-        x = rng.random((batch_size, 224, 224, 3), dtype=np.float32)
+        x = rng.random((batch_size, image_size, image_size, 3), dtype=np.float32)
         y = rng.integers(0, 1000, batch_size)
     else:
-        x = rng.integers(0, 30522, (batch_size, 128))
+        x = rng.integers(0, 30522, (batch_size, sequence_length))
         y = rng.integers(0, 2, batch_size)
     return tf.data.Dataset.from_tensors((x, y)).repeat()
+
+
+def smoke_conv(num_classes=1000):
+    """ResNet-50's stand-in in smoke runs: a convolution, BatchNormalization and the float32
+    head, on 32x32 images."""
+    inputs = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    x = keras.layers.ReLU()(keras.layers.BatchNormalization()(x))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, classification_head(num_classes)(x), name="resnet50_smoke")
+
+
+def smoke_encoder(num_classes=2):
+    """The encoders' stand-in in smoke runs: their layer kinds (an embedding, an EinsumDense
+    as attention's projections are, LayerNormalization, a GELU feed-forward) at width 32,
+    on sequences of 16; quick to compile."""
+    ids = keras.Input((16,), dtype="int32")
+    x = keras.layers.Embedding(30522, 32)(ids)
+    x = keras.layers.EinsumDense("btd,de->bte", output_shape=(None, 32))(x)
+    x = keras.layers.LayerNormalization(epsilon=1e-6)(x)
+    x = keras.layers.Dense(32)(keras.layers.Dense(64, activation="gelu")(x))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(ids, classification_head(num_classes)(x), name="encoder_smoke")
 
 
 MODELS = {"resnet50": resnet50, "bert_base": bert_base, "encoder_4096": encoder_4096}
 GPU_MODELS = ("resnet50", "bert_base")  # The bench's default on a GPU.
 BATCH_SIZES = {"resnet50": 128, "bert_base": 64, "encoder_4096": 64}  # Its defaults, the issue's GPU sizes.
+SMOKE = {"resnet50": smoke_conv, "bert_base": smoke_encoder, "encoder_4096": smoke_encoder}  # Same inputs, tiny.
+SMOKE_INPUTS = {"image_size": 32, "sequence_length": 16}

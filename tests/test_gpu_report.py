@@ -1,0 +1,144 @@
+"""python -m tfmp.bench.gpu_report: every part's code path, tiny (--smoke), so that a GPU
+session's few minutes never go to a failure a CPU could have shown; the report's goals
+from figures made up here; its budget and its refusals."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from conftest import GPUS, REPO
+
+from tfmp.bench import float8_hlo, gpu_report, gpu_tables, pytorch
+
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def _report(tmp_path, *flags, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "tfmp.bench.gpu_report", "--smoke", f"--output_dir={tmp_path}", *flags],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_smoke_runs_every_part_and_writes_the_report(tmp_path):
+    started = time.monotonic()
+    result = _report(tmp_path, "--part=all")
+    assert result.returncode == 0, result.stderr[-3000:]
+    print(f"smoke report: {time.monotonic() - started:.0f} s")
+    parts = {n: json.loads((tmp_path / f"part{n}.json").read_text()) for n in gpu_report.PARTS}
+    for number, part in gpu_report.PARTS.items():
+        if part.pytorch:
+            continue
+        cells = {(c["precision"], c["loop"]): c for c in parts[number]["cells"]}
+        assert set(cells) == {(p, loop) for p in part.precisions for loop in ("tfmp", "keras")}, number
+        for (policy, loop), cell in cells.items():
+            assert "error" not in cell, (number, policy, loop, cell.get("error"))
+            assert cell["examples_per_second"] > 0 and len(cell["rounds"]) == 2, (number, policy, loop)
+            assert cell["first_step_seconds"] > 0 and cell["jit_compile"] is True, (number, policy, loop)
+            assert (cell["peak_memory_mb"] is None) == (GPUS == 0)  # A GPU's own peak, nothing on a CPU.
+        assert cells[(part.precisions[-1], "tfmp")]["vs_keras"] > 0
+    assert set(parts[1]["peaks"]) == {"matmul", "conv"}
+    bert = {c["precision"]: c for c in parts[4]["cells"] if c["loop"] == "tfmp"}
+    assert bert["bfloat16"]["state_mb"] < 0.7 * bert["mixed_bfloat16"]["state_mb"]  # Kahan: 8 bytes, not 12.
+    probe = parts[5]["float8_hlo"]["cases"]
+    assert len(probe) == 3
+    if not GPUS:  # A CPU compiles each of a layer's three matmuls as a plain dot.
+        assert all(case["gemms"] == {"float8": 0, "cublas": 0, "triton": 0, "dot": 3} for case in probe)
+    torch_ready = pytorch.find_python("auto", "bert_base")
+    assert bool(parts[7]["cells"]) == bool(torch_ready), parts[7].get("left_out")
+    report = (tmp_path / "report.md").read_text()
+    assert "Smoke run" in report and "## Goals" in report and "## float8" in report
+    assert "| bert_base | sgd | bfloat16 |" in report and "| encoder_4096 | float8 | tfmp.fit |" in report
+    assert "float8 >= 1.3x mixed_bfloat16 on encoder_4096 (tfmp.fit):" in report
+    log = (tmp_path / "report.log").read_text()
+    assert "first step after" in log and "round 2/2" in log and "part 7 done" in log
+    assert len(list((tmp_path / "float8_hlo").iterdir())) > 10  # XLA's passes, kept for reading.
+
+
+def test_a_part_warms_no_fit_past_its_budget(tmp_path):
+    result = _report(tmp_path, "--part=2", "--budget_seconds=0", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cells = json.loads((tmp_path / "part2.json").read_text())["cells"]
+    assert len(cells) == 6 and all(c["error"] == "not run: the part's budget was spent" for c in cells)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Not measured" in report and "resnet50 adam float32 tfmp: not run" in report
+    assert "not yet: 1, 3, 4, 5, 6, 7" in report
+
+
+def test_bad_flags_are_refused_naming_the_flag(tmp_path):
+    result = _report(tmp_path, "--part=9", timeout=120)
+    assert result.returncode == 2 and "--part=9: choose 1, 2, 3, 4, 5, 6, 7 or all" in result.stderr
+    result = _report(tmp_path, "--part=1", "--pytorch=/no/such/python", timeout=120)
+    assert result.returncode == 2 and "--pytorch=/no/such/python: not an executable Python" in result.stderr
+
+
+def test_the_log_says_what_is_still_running_when_quiet(tmp_path):
+    log = gpu_report.Log(str(tmp_path / "report.log"), quiet=0.2)
+    log("compiling", doing="compiling resnet50")
+    time.sleep(6)  # The watchdog looks every 5 s.
+    assert "... still compiling resnet50" in (tmp_path / "report.log").read_text()
+
+
+def _cell(model, optimizer, policy, loop, rate, **more):
+    return {"model": model, "optimizer": optimizer, "precision": policy, "loop": loop, "examples_per_second": rate,
+            **more}  # fmt: skip
+
+
+def test_goals_are_judged_from_the_figures():
+    versions = {"device": "GPU", "tensorflow": "2", "keras": "3", "python": "3", "created": "now"}
+    peaks = {
+        op: {"float32": {"flops": 1.0}, "mixed_float16": {"flops": 2.0}, "mixed_bfloat16": {"flops": 2.0}}
+        for op in ("matmul", "conv")
+    }
+    speed = {
+        "part": 4,
+        "peaks": peaks,
+        "cells": [
+            _cell("bert_base", "adam", "float32", "tfmp", 100, vs_keras=1.10),
+            _cell("bert_base", "adam", "float32", "keras", 91),
+            _cell("bert_base", "adam", "mixed_bfloat16", "tfmp", 190, vs_keras=1.02, vs_base=1.9),
+            _cell("bert_base", "adam", "mixed_float16", "tfmp", 170, vs_keras=1.2, vs_base=1.7),
+            _cell("bert_base", "adam", "mixed_bfloat16", "pytorch", 150),
+        ],
+        **versions,
+    }
+    float8 = {
+        "part": 6,
+        "cells": [
+            _cell("encoder_4096", "adam", "mixed_bfloat16", "tfmp", 400),
+            _cell("encoder_4096", "adam", "float8", "tfmp", 560),
+            {**_cell("encoder_4096", "adam", "float8", "keras", None), "error": "ResourceExhaustedError: OOM"},
+        ],
+        **versions,
+    }
+    report = gpu_tables.markdown([speed, float8], gpu_report.PARTS)
+    assert "2 of 3 cells; below: bert_base adam mixed_bfloat16 1.02" in report
+    assert "bert_base adam mixed_bfloat16: 1.90x float32, the matmul peaks' ratio 2.00x: met" in report
+    assert "bert_base adam mixed_float16: 1.70x float32, the matmul peaks' ratio 2.00x: missed" in report
+    assert "encoder_4096 (tfmp.fit): 1.40x, met" in report
+    assert "| bert_base | adam | mixed_bfloat16 | 190 | - | 1.02 | 1.90 |" in report and "| 150 |" in report
+    assert "encoder_4096 adam float8 keras: ResourceExhaustedError: OOM" in report
+    assert "not yet: 1, 2, 3, 5, 7" in report
+
+
+def test_gemm_kinds_reads_gpu_hlo():
+    hlo = "\n".join(
+        [
+            "%fused_computation (p: bf16[8,8]) -> bf16[8,8] {",
+            "  %d = bf16[8,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            "}",
+            "ENTRY %main (x: f8e4m3fn[64,64]) -> bf16[64,64] {",
+            '  %g = (bf16[64,64], s8[0]) custom-call(%x, %y), custom_call_target="__cublas$lt$matmul$f8"',
+            '  %h = (bf16[64,64], s8[0]) custom-call(%p, %q), custom_call_target="__cublas$gemm"',
+            '  %t = bf16[64,64] fusion(%p, %q), kind=kCustom, backend_config={"kind":"__triton_gemm"}',
+            "  %e = f32[64,64]{1,0} dot(%m, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+            "}",
+        ]
+    )
+    assert float8_hlo.gemm_kinds(hlo) == {"float8": 1, "cublas": 1, "triton": 1, "dot": 1}

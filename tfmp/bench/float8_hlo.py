@@ -1,0 +1,118 @@
+"""Which matmuls of a float8 training step XLA runs as float8 GEMMs: compiles one step
+(forward and backward) of Keras' float8 Dense and EinsumDense layers and of a float8
+encoder block, reads the optimized HLO and counts its GEMMs by kind.
+
+On an NVIDIA GPU a float8 GEMM is a cuBLASLt custom call `__cublas$lt$matmul$f8`; any
+other `__cublas$...` call or Triton GEMM fusion multiplies 16-bit values. XLA's GEMM
+rewriter makes the float8 call only where both operands of a dot are `convert(float8)`
+times a broadcast scalar scale, with only layout ops (bitcast, copy, reshape, transpose...)
+between that and the dot. A step has three matmuls per layer: the forward pass (inputs x
+kernel, both E4M3) and two in the backward pass (the output gradient, E5M2, times the
+kernel; the inputs times the output gradient).
+
+    python -m tfmp.bench.float8_hlo [--small]
+
+prints one JSON line: {"device", "cases": [{"case", "gemms": {kind: count}, "lines"}]}.
+Run with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_pass_re=.*" to keep the HLO after
+every XLA pass as well (`tfmp.bench.gpu_report` does), to see which pass undoes the pattern.
+"""
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp import precision  # noqa: E402
+
+FLOAT8_GEMM = "__cublas$lt$matmul$f8"
+
+
+def gemm_kinds(hlo):
+    """{kind: count} of the GEMMs in an optimized HLO text: "float8" (cuBLASLt float8),
+    "cublas" (any other cuBLAS or cuBLASLt call), "triton" (Triton GEMM fusions) and "dot"
+    (a dot outside any fusion, as a CPU compiles it)."""
+    kinds = {"float8": 0, "cublas": 0, "triton": 0, "dot": 0}
+    computation = ""
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            computation = line.split("(")[0]  # A computation's header: its name, then its parameters.
+        if FLOAT8_GEMM in line:
+            kinds["float8"] += 1
+        elif 'custom_call_target="__cublas$' in line:
+            kinds["cublas"] += 1
+        elif "__triton_gemm" in line and "fusion(" in line:
+            kinds["triton"] += 1
+        elif re.search(r"\bdot\(", line) and not re.search("fus|triton|gemm", computation):
+            kinds["dot"] += 1
+    return kinds
+
+
+def _gemm_lines(hlo):
+    return [line.strip()[:240] for line in hlo.splitlines() if "__cublas$" in line or re.search(r"\bdot\(", line)]
+
+
+def _step_hlo(layer, x):
+    """The optimized HLO of one compiled training step of `layer` on `x`."""
+
+    @tf.function(jit_compile=True)
+    def float8_probe_step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
+        return tape.gradient(loss, [x, *layer.trainable_variables])
+
+    return float8_probe_step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+
+
+def _dense(shape, units):
+    layer = keras.layers.Dense(units)
+    layer.build(shape)
+    layer.quantize("float8")
+    return layer
+
+
+def _einsum(shape, units):
+    layer = keras.layers.EinsumDense("btd,de->bte", output_shape=(None, units))
+    layer.build(shape)
+    layer.quantize("float8")
+    return layer
+
+
+def cases(size=1024, tokens=2048, sequence=128):
+    """{case: (layer, input)}: the shapes float8 training meets. Sizes are multiples of 16
+    (cuBLASLt's float8 GEMMs need them) and large enough that XLA does not inline them."""
+    batch = tokens // sequence
+    return {
+        "Dense, 2-D input (tokens x width)": (_dense((None, size), size), tf.ones((tokens, size))),
+        "Dense, 3-D input (batch x sequence x width)": (
+            _dense((None, sequence, size), size),
+            tf.ones((batch, sequence, size)),
+        ),
+        "EinsumDense btd,de->bte": (_einsum((None, sequence, size), size), tf.ones((batch, sequence, size))),
+    }
+
+
+def probe(size=1024, tokens=2048, sequence=128):
+    """[{"case", "gemms", "lines"}] for each of `cases`, under the float8 policy's bfloat16 base."""
+    keras.config.set_dtype_policy(precision.FLOAT8_BASE)
+    found = []
+    for case, (layer, x) in cases(size, tokens, sequence).items():
+        hlo = _step_hlo(layer, x)
+        found.append({"case": case, "gemms": gemm_kinds(hlo), "lines": _gemm_lines(hlo)[:6]})
+    return found
+
+
+def main(argv):
+    small = "--small" in argv  # Smoke runs: shapes a CPU compiles in a second.
+    sizes = {"size": 64, "tokens": 128, "sequence": 16} if small else {}
+    print(json.dumps({"device": precision.device_name(), "cases": probe(**sizes)}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

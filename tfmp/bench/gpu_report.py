@@ -1,0 +1,346 @@
+"""One command for tfmp's GPU claims, in parts of at most 9 minutes each.
+
+    python -m tfmp.bench.gpu_report --part=1 --output_dir=gpu_report   # then --part=2 ... 7
+    python -m tfmp.bench.gpu_report --part=all --smoke                  # the same code path on a CPU, tiny
+
+Parts (`PARTS`): 1-2 ResNet-50 (batch 128) with SGD with momentum, then Adam; 3-4
+BERT-base (batch 64) likewise, pure bfloat16 among the precisions; 5 float8 on BERT-base
+against mixed_bfloat16 and Keras' own `quantize("float8")`, and which GEMMs XLA makes
+float8 (`float8_hlo`, with XLA's HLO after every pass kept); 6 float8 on encoder_4096; 7
+PyTorch AMP on the same models (where this Python has torch). Part 1 also times the
+GPU's matmul and conv peaks per dtype, the ratios the mixed policies' gains are judged by.
+
+In each part every precision is trained by tfmp.fit and by Keras fit, both with XLA: each
+fit warms up alone (time to its first step, and its own peak memory: what it holds
+beyond what was held before it was built), then all of them train in alternating rounds,
+a step of each in turn (`lockstep`), so that ratios compare neighbouring steps. A part
+stops warming new fits before its budget runs out and says which it left; every line
+goes to the console and report.log, at least one a minute. After each part
+report.md (`gpu_tables`) is written again from every part*.json in the directory.
+"""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")  # Own peaks, and room for the PyTorch part.
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import gc  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from tfmp import bf16, callbacks, files, precision, timing  # noqa: E402
+from tfmp.bench import gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
+
+MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
+OPTIMIZERS = {
+    "sgd": functools.partial(keras.optimizers.SGD, momentum=0.9),
+    "adam": keras.optimizers.Adam,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One part: `model` trained with `optimizer` under each of `precisions`.
+
+    Args:
+        together: whether all its fits are held at once and timed in alternating rounds;
+            False for models too large for that (each precision's pair alone).
+        peaks: time the matmul and conv peaks first.
+        float8_hlo: probe which GEMMs XLA makes float8 afterwards.
+        pytorch: PyTorch AMP's rows for these models (each: both optimizers) instead.
+    """
+
+    model: str = ""
+    optimizer: str = "adam"
+    precisions: tuple = ()
+    together: bool = True
+    peaks: bool = False
+    float8_hlo: bool = False
+    pytorch: tuple = ()
+
+
+PARTS = {
+    1: Part("resnet50", "sgd", MIXED, peaks=True),
+    2: Part("resnet50", "adam", MIXED),
+    3: Part("bert_base", "sgd", (*MIXED, "bfloat16")),
+    4: Part("bert_base", "adam", (*MIXED, "bfloat16")),
+    5: Part("bert_base", "adam", ("mixed_bfloat16", "float8"), float8_hlo=True),
+    6: Part("encoder_4096", "adam", ("mixed_bfloat16", "float8"), together=False),
+    7: Part(pytorch=("resnet50", "bert_base")),
+}
+LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
+SMOKE_PEAK_SIZES = {"matmul": 256, "conv": {"batch": 2, "size": 16, "channels": 8}}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("part", None, f"Which part to run: {', '.join(map(str, PARTS))} or all.")
+flags.DEFINE_string("output_dir", "gpu_report", "Where part<N>.json, report.md and report.log go.")
+flags.DEFINE_bool("smoke", False, "Tiny stand-ins of the models, batch 4, a few steps: the code path on a CPU.")
+flags.DEFINE_float(
+    "budget_seconds", 450.0, "A part warms no new fit after this many seconds (a warm-up and rounds fit in 9 minutes)."
+)
+flags.DEFINE_integer("warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.")
+flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
+flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
+flags.DEFINE_string("pytorch", "auto", "Part 7's Python: auto (this one, where it has torch), off, or a path.")
+
+
+class Log:
+    """Prints a line and appends it to report.log; a watchdog thread prints what is still
+    running when nothing was said for `quiet` seconds (an XLA compile can take minutes)."""
+
+    def __init__(self, path, quiet=50.0):
+        self.path, self.quiet, self.doing, self.last = path, quiet, "starting", time.monotonic()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def __call__(self, line, doing=None):
+        self.doing = doing or self.doing
+        self.last = time.monotonic()
+        stamp = time.strftime("%H:%M:%S")
+        print(f"gpu_report {stamp} {line}", flush=True)
+        with open(self.path, "a") as f:
+            f.write(f"{stamp} {line}\n")
+
+    def _watch(self):
+        while True:
+            time.sleep(5)
+            if time.monotonic() - self.last >= self.quiet:
+                self(f"... still {self.doing}")
+
+
+class FirstStepTimer(callbacks.Throughput):
+    """A `callbacks.Throughput` that also records when the fit's first step ends."""
+
+    def __init__(self, global_batch):
+        super().__init__(global_batch, warmup_steps=1)
+        self.first_end = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.first_end = self.first_end or time.perf_counter()
+
+
+def _on_gpu():
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def _in_use():
+    """Bytes the GPU allocator holds now (0 on a CPU: no own peak to measure there)."""
+    return tf.config.experimental.get_memory_info("GPU:0")["current"] if _on_gpu() else 0
+
+
+def _error_text(error):
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def _model_and_data(name, batch):
+    if FLAGS.smoke:
+        return realsize.SMOKE[name], realsize.synthetic(name, batch, **realsize.SMOKE_INPUTS)
+    return realsize.MODELS[name], realsize.synthetic(name, batch)
+
+
+def _cell(part, policy, trainer):
+    return {"model": part.model, "optimizer": part.optimizer, "precision": policy, "loop": trainer}
+
+
+def _warm(part, policy, trainer, batch, log):
+    """Builds and warms up one fit alone: (runner or None where it failed, its cell)."""
+    cell = _cell(part, policy, trainer)
+    what = f"{part.model} {policy} {LOOPS[trainer]}"
+    log(f"{what}: building, then {FLAGS.warmup_steps} steps alone", doing=f"warming up {what}")
+    base = _in_use()
+    start = time.perf_counter()
+    try:
+        build, dataset = _model_and_data(part.model, batch)
+        runner = runs.FitRunner(trainer, policy, build, dataset, batch, True, OPTIMIZERS[part.optimizer])
+        timer = FirstStepTimer(batch)
+        begun = time.perf_counter()
+        runner.run(FLAGS.warmup_steps - 1, timer=timer)
+    except Exception as e:  # noqa: BLE001 - an out-of-memory or a compile failure is this cell's result.
+        cell["error"] = _error_text(e)
+        log(f"{what}: FAILED: {cell['error']}")
+        return None, cell
+    runner.warm_step = statistics.median(timer.step_times[-5:])
+    runner.step_times = []
+    cell.update(
+        build_seconds=begun - start,
+        first_step_seconds=timer.first_end - begun,  # Trace, compile and one step.
+        warm_step_ms=1e3 * runner.warm_step,
+        peak_memory_mb=(measure.memory_bytes() - base) / 2**20 if _on_gpu() else None,
+        state_mb=bf16.state_bytes(runner.model, runner.model.optimizer) / 2**20,
+        jit_compile=runner.jit_used,
+    )
+    peak = "" if cell["peak_memory_mb"] is None else f", peak memory {cell['peak_memory_mb'] / 1024:.2f} GiB"
+    log(f"{what}: first step after {cell['first_step_seconds']:.1f} s, then {cell['warm_step_ms']:.1f} ms a step{peak}")
+    return runner, cell
+
+
+def _rounds(held, began, log):
+    """Alternating rounds over the warm fits `held`, as many steps a round (3 to
+    --max_steps) as the part's budget leaves room for."""
+    per_step = max(sum(r.warm_step for r in held.values()), 1e-3)
+    left = FLAGS.budget_seconds - (time.perf_counter() - began)
+    steps = int(min(FLAGS.max_steps, max(3, 0.8 * left / FLAGS.rounds / per_step)))
+    order = list(held.values())
+    for index in range(FLAGS.rounds):
+        log(f"round {index + 1}/{FLAGS.rounds}: {steps} steps of each of {len(order)} fits, in turn", doing="timing")
+        turn = order if index % 2 == 0 else order[::-1]
+        for runner, rate in zip(turn, lockstep.run(turn, steps), strict=True):
+            runner.rates.append(rate)
+
+
+def _compare(cells, held):
+    """Figures from the rounds; ratios from rounds that ran back to back: tfmp / Keras fit,
+    and each precision against float32 (float8: against mixed_bfloat16) in the same loop."""
+    for (policy, trainer), runner in held.items():
+        cell = cells[(policy, trainer)]
+        cell.update(examples_per_second=statistics.median(runner.rates), rounds=runner.rates, final_loss=runner.loss)
+        if trainer == "tfmp" and (policy, "keras") in held:
+            cell["vs_keras"], cell["vs_keras_error"] = timing.median_ratio(runner.rates, held[(policy, "keras")].rates)
+        base = held.get(("mixed_bfloat16" if policy == "float8" else "float32", trainer))
+        if base is not None and base is not runner:
+            cell["vs_base"], cell["vs_base_error"] = timing.median_ratio(runner.rates, base.rates)
+
+
+def _timed_cells(part, batch, log, began):
+    """Every (precision, loop) of `part`: warm-ups, rounds and the cells' figures."""
+    groups = [part.precisions] if part.together else [(p,) for p in part.precisions]
+    cells = {}
+    for group in groups:
+        held = {}
+        for policy in group:
+            for trainer in runs.TRAINERS:
+                if time.perf_counter() - began > FLAGS.budget_seconds:
+                    why = "not run: the part's budget was spent"
+                    cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": why}
+                    log(f"{part.model} {policy} {LOOPS[trainer]}: {why}")
+                    continue
+                runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log)
+                if runner is not None:
+                    held[(policy, trainer)] = runner
+        if held:
+            _rounds(held, began, log)
+            _compare(cells, held)
+        held.clear()  # Frees this group's models before the next is built.
+        keras.backend.clear_session()
+        gc.collect()
+    return list(cells.values())
+
+
+def _pytorch_rows(part, log):
+    """PyTorch AMP's rows for the part's models, both optimizers."""
+    rows, left_out = [], []
+    for name in part.pytorch:
+        python = pytorch.find_python(FLAGS.pytorch, name)
+        if python is None:
+            left_out.append(f"{name}: no {' and '.join(pytorch.NEEDS[name])} in this Python (--pytorch=PATH)")
+            log(f"pytorch {name}: left out, {left_out[-1]}")
+            continue
+        batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[name]
+        for optimizer in pytorch.OPTIMIZERS:
+            log(f"pytorch {name} {optimizer}: a subprocess in {python}", doing=f"timing pytorch {name} {optimizer}")
+            found, facts = pytorch.rates(
+                python, MIXED, batch, FLAGS.rounds, 4.0, FLAGS.max_steps, timeout=480,
+                model=name, optimizer=optimizer, smoke=FLAGS.smoke, say=log,
+            )  # fmt: skip
+            if found is None:
+                left_out.append(f"{name} {optimizer}: {facts}")
+                log(f"pytorch {name} {optimizer}: left out, {facts}")
+                continue
+            for policy, row in found.items():
+                rows.append({"model": name, "optimizer": optimizer, "precision": policy, "loop": "pytorch", **row})
+    return rows, left_out
+
+
+def _float8_hlo(log):
+    """Runs `float8_hlo` in a subprocess that keeps XLA's HLO after every pass."""
+    dump = os.path.join(FLAGS.output_dir, "float8_hlo")
+    dump_flags = f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.*"
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags}".strip()}
+    log(f"float8 HLO probe: one step of each float8 layer kind, XLA's passes kept in {dump}", doing="float8 HLO probe")
+    command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if FLAGS.smoke else [])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    if done.returncode != 0:
+        log(f"float8 HLO probe failed ({done.returncode}): {done.stderr.strip()[-600:]}")
+        return {"error": done.stderr.strip()[-600:]}
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for case in found["cases"]:
+        log(f"float8 HLO probe, {case['case']}: GEMMs {case['gemms']}")
+    return found
+
+
+def run_part(number, log):
+    """Runs part `number`; its figures go to part<number>.json."""
+    part = PARTS[number]
+    began = time.perf_counter()
+    result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
+    log(f"part {number} on {result['device']}: {_describe(part)}", doing=f"part {number}")
+    if part.peaks:
+        sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()
+        log("timing the matmul and conv peaks per dtype", doing="timing peaks")
+        result["peaks"] = {
+            "matmul": measure.matmul_peaks(MIXED, sizes["matmul"], budget_seconds=20.0),
+            "conv": measure.conv_peaks(MIXED, **sizes["conv"], budget_seconds=20.0),
+        }
+        for op, peaks in result["peaks"].items():
+            log(f"{op} peak: " + ", ".join(f"{p} {v['flops'] / 1e12:.1f} TFLOP/s" for p, v in peaks.items()))
+    if part.pytorch:
+        result["cells"], result["left_out"] = _pytorch_rows(part, log)
+    else:
+        batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[part.model]
+        result["cells"] = _timed_cells(part, batch, log, began)
+    if part.float8_hlo:
+        result["float8_hlo"] = _float8_hlo(log)
+    result["seconds"] = time.perf_counter() - began
+    files.write_json(os.path.join(FLAGS.output_dir, f"part{number}.json"), result)
+    log(f"part {number} done in {result['seconds']:.0f} s")
+    return result
+
+
+def _describe(part):
+    if part.pytorch:
+        return f"PyTorch AMP on {', '.join(part.pytorch)}"
+    return f"{part.model}, {part.optimizer}, {', '.join(part.precisions)}, tfmp.fit and Keras fit, XLA on"
+
+
+def main(argv):
+    del argv
+    wanted = list(PARTS) if FLAGS.part == "all" else [int(FLAGS.part)] if (FLAGS.part or "").isdigit() else None
+    if not wanted or any(n not in PARTS for n in wanted):
+        print(f"gpu_report: error: --part={FLAGS.part}: choose {', '.join(map(str, PARTS))} or all", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.pytorch not in ("auto", "off") and not os.access(FLAGS.pytorch, os.X_OK):
+        print(f"gpu_report: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
+        sys.exit(2)
+    if FLAGS.smoke:
+        FLAGS.warmup_steps, FLAGS.rounds, FLAGS.max_steps = min(FLAGS.warmup_steps, 3), min(FLAGS.rounds, 2), 3
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    log = Log(os.path.join(FLAGS.output_dir, "report.log"))
+    for number in wanted:
+        run_part(number, log)
+        parts = []
+        for path in sorted(glob.glob(os.path.join(FLAGS.output_dir, "part*.json"))):
+            with open(path) as f:
+                parts.append(json.load(f))
+        with open(os.path.join(FLAGS.output_dir, "report.md"), "w") as f:
+            f.write(gpu_tables.markdown(parts, PARTS) + "\n")
+        log(f"wrote {FLAGS.output_dir}/report.md ({len(parts)} of {len(PARTS)} parts)")
+    # Everything is written. Tearing down a process that compiled dozens of XLA steps takes
+    # half a minute more (measured after --part=all --smoke), time a GPU session lacks.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    app.run(main)
