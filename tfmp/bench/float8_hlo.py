@@ -10,17 +10,24 @@ between that and the dot. A step has three matmuls per layer: the forward pass (
 kernel, both E4M3) and two in the backward pass (the output gradient, E5M2, times the
 kernel; the inputs times the output gradient).
 
+It also times one large float8 Dense step against the same step in bfloat16: whether
+float8 GEMMs, where XLA makes them, are faster by themselves, apart from a model's other
+work (the quantize and amax kernels around them included).
+
     python -m tfmp.bench.float8_hlo [--small]
 
-prints one JSON line: {"device", "cases": [{"case", "gemms": {kind: count}, "lines"}]}.
-Run with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_pass_re=.*" to keep the HLO after
-every XLA pass as well (`tfmp.bench.gpu_report` does), to see which pass undoes the pattern.
+prints one JSON line: {"device", "xla_flags", "cases": [{"case", "gemms": {kind: count},
+"lines"}], "timing": {...}}. `tfmp.bench.gpu_report` runs it under several XLA_FLAGS, the
+first with "--xla_dump_to=DIR --xla_dump_hlo_pass_re=.*", which keeps the HLO after every
+XLA pass, to see which pass undoes the pattern.
 """
 
 import json
 import os
 import re
+import statistics
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -34,9 +41,10 @@ FLOAT8_GEMM = "__cublas$lt$matmul$f8"
 
 def gemm_kinds(hlo):
     """{kind: count} of the GEMMs in an optimized HLO text: "float8" (cuBLASLt float8),
-    "cublas" (any other cuBLAS or cuBLASLt call), "triton" (Triton GEMM fusions) and "dot"
-    (a dot outside any fusion, as a CPU compiles it)."""
-    kinds = {"float8": 0, "cublas": 0, "triton": 0, "dot": 0}
+    "cublas" (any other cuBLAS or cuBLASLt call), "triton_float8" and "triton" (Triton GEMM
+    fusions with and without float8 operands) and "dot" (a dot outside any fusion, as a CPU
+    compiles it)."""
+    kinds = {"float8": 0, "cublas": 0, "triton_float8": 0, "triton": 0, "dot": 0}
     computation = ""
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
@@ -46,7 +54,7 @@ def gemm_kinds(hlo):
         elif 'custom_call_target="__cublas$' in line:
             kinds["cublas"] += 1
         elif "__triton_gemm" in line and "fusion(" in line:
-            kinds["triton"] += 1
+            kinds["triton_float8" if "f8e" in line else "triton"] += 1  # Triton can take float8 operands.
         elif re.search(r"\bdot\(", line) and not re.search("fus|triton|gemm", computation):
             kinds["dot"] += 1
     return kinds
@@ -56,8 +64,8 @@ def _gemm_lines(hlo):
     return [line.strip()[:240] for line in hlo.splitlines() if "__cublas$" in line or re.search(r"\bdot\(", line)]
 
 
-def _step_hlo(layer, x):
-    """The optimized HLO of one compiled training step of `layer` on `x`."""
+def _step(layer):
+    """One compiled training step of `layer`: its gradients for a mean-square loss."""
 
     @tf.function(jit_compile=True)
     def float8_probe_step(x):
@@ -67,13 +75,19 @@ def _step_hlo(layer, x):
             loss = tf.reduce_mean(tf.square(tf.cast(y, tf.float32)))
         return tape.gradient(loss, [x, *layer.trainable_variables])
 
-    return float8_probe_step.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    return float8_probe_step
 
 
-def _dense(shape, units):
+def _step_hlo(layer, x):
+    """The optimized HLO of one compiled training step of `layer` on `x`."""
+    return _step(layer).experimental_get_compiler_ir(x)(stage="optimized_hlo")
+
+
+def _dense(shape, units, float8=True):
     layer = keras.layers.Dense(units)
     layer.build(shape)
-    layer.quantize("float8")
+    if float8:
+        layer.quantize("float8")
     return layer
 
 
@@ -108,10 +122,40 @@ def probe(size=1024, tokens=2048, sequence=128):
     return found
 
 
+def _milliseconds(step, x, calls):
+    """Median milliseconds of `step(x)` over `calls` calls, after two to compile and settle."""
+    for _ in range(2):
+        step(x)[0].numpy()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        step(x)[0].numpy()  # Waits for the device.
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def timing(tokens=8192, width=4096, units=16384, calls=20):
+    """One Dense step of encoder_4096's feed-forward shape in bfloat16 and in float8:
+    {"shape", "bfloat16_ms", "float8_ms", "speedup", "float8_gemms"}."""
+    keras.config.set_dtype_policy(precision.FLOAT8_BASE)
+    x = tf.random.normal((tokens, width))
+    found = {"shape": f"{tokens} x {width} -> {units}"}
+    for name, float8 in (("bfloat16", False), ("float8", True)):
+        layer = _dense((None, width), units, float8)
+        found[f"{name}_ms"] = _milliseconds(_step(layer), x, calls)
+        if float8:
+            found["float8_gemms"] = gemm_kinds(_step_hlo(layer, x))
+    found["speedup"] = found["bfloat16_ms"] / found["float8_ms"]
+    return found
+
+
 def main(argv):
     small = "--small" in argv  # Smoke runs: shapes a CPU compiles in a second.
     sizes = {"size": 64, "tokens": 128, "sequence": 16} if small else {}
-    print(json.dumps({"device": precision.device_name(), "cases": probe(**sizes)}), flush=True)
+    timed = {"tokens": 128, "width": 64, "units": 128, "calls": 3} if small else {}
+    result = {"device": precision.device_name(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    result.update(cases=probe(**sizes), timing=timing(**timed))
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

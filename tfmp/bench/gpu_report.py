@@ -1,13 +1,14 @@
 """One command for tfmp's GPU claims, in parts of at most 9 minutes each.
 
-    python -m tfmp.bench.gpu_report --part=1 --output_dir=gpu_report   # then --part=2 ... 7
+    python -m tfmp.bench.gpu_report --part=1 --output_dir=gpu_report   # then --part=2 ... 8
     python -m tfmp.bench.gpu_report --part=all --smoke                  # the same code path on a CPU, tiny
 
 Parts (`PARTS`): 1-2 ResNet-50 (batch 128) with SGD with momentum, then Adam; 3-4
-BERT-base (batch 64) likewise, pure bfloat16 among the precisions; 5 float8 on BERT-base
-against mixed_bfloat16 and Keras' own `quantize("float8")`, and which GEMMs XLA makes
-float8 (`float8_hlo`, with XLA's HLO after every pass kept); 6 float8 on encoder_4096; 7
-PyTorch AMP on the same models (where this Python has torch). Part 1 also times the
+BERT-base (batch 64) likewise, pure bfloat16 among the precisions; 5 which GEMMs of a
+float8 step XLA makes float8 and how fast a large float8 Dense step is (`float8_hlo`,
+under a few XLA_FLAGS, XLA's HLO after every pass kept); 6 float8 on BERT-base against
+mixed_bfloat16 and Keras' own `quantize("float8")`; 7 the same on encoder_4096; 8 PyTorch
+AMP on ResNet-50 and BERT-base (where this Python has torch). Part 1 also times the
 GPU's matmul and conv peaks per dtype, the ratios the mixed policies' gains are judged by.
 
 In each part every precision is trained by tfmp.fit and by Keras fit, both with XLA: each
@@ -57,7 +58,8 @@ class Part:
         together: whether all its fits are held at once and timed in alternating rounds;
             False for models too large for that (each precision's pair alone).
         peaks: time the matmul and conv peaks first.
-        float8_hlo: probe which GEMMs XLA makes float8 afterwards.
+        float8_hlo: instead, which GEMMs XLA makes float8, and a float8 Dense step's speed,
+            under each of `FLOAT8_VARIANTS`.
         pytorch: PyTorch AMP's rows for these models (each: both optimizers) instead.
     """
 
@@ -75,9 +77,17 @@ PARTS = {
     2: Part("resnet50", "adam", MIXED),
     3: Part("bert_base", "sgd", (*MIXED, "bfloat16")),
     4: Part("bert_base", "adam", (*MIXED, "bfloat16")),
-    5: Part("bert_base", "adam", ("mixed_bfloat16", "float8"), float8_hlo=True),
-    6: Part("encoder_4096", "adam", ("mixed_bfloat16", "float8"), together=False),
-    7: Part(pytorch=("resnet50", "bert_base")),
+    5: Part(float8_hlo=True),
+    6: Part("bert_base", "adam", ("mixed_bfloat16", "float8")),
+    7: Part("encoder_4096", "adam", ("mixed_bfloat16", "float8"), together=False),
+    8: Part(pytorch=("resnet50", "bert_base")),
+}
+DUMP_FLAGS = "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.*"  # Every pass, the probe's steps.
+# XLA_FLAGS the float8 probe runs under: the first keeps XLA's HLO after every pass.
+FLOAT8_VARIANTS = {
+    "XLA's defaults": "",
+    "Triton GEMMs off": "--xla_gpu_enable_triton_gemm=false",
+    "cuBLASLt on": "--xla_gpu_enable_cublaslt=true",
 }
 LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
 SMOKE_PEAK_SIZES = {"matmul": 256, "conv": {"batch": 2, "size": 16, "channels": 8}}
@@ -263,19 +273,37 @@ def _pytorch_rows(part, log):
 
 
 def _float8_hlo(log):
-    """Runs `float8_hlo` in a subprocess that keeps XLA's HLO after every pass."""
+    """Runs `float8_hlo` in a subprocess under each of `FLOAT8_VARIANTS`: a list of its
+    results (or {"error"}), each with its "variant"; the first keeps XLA's HLO after every
+    pass in float8_hlo/."""
     dump = os.path.join(FLAGS.output_dir, "float8_hlo")
-    dump_flags = f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.*"
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags}".strip()}
-    log(f"float8 HLO probe: one step of each float8 layer kind, XLA's passes kept in {dump}", doing="float8 HLO probe")
-    command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if FLAGS.smoke else [])]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
-    if done.returncode != 0:
-        log(f"float8 HLO probe failed ({done.returncode}): {done.stderr.strip()[-600:]}")
-        return {"error": done.stderr.strip()[-600:]}
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    for case in found["cases"]:
-        log(f"float8 HLO probe, {case['case']}: GEMMs {case['gemms']}")
+    found = []
+    for index, (variant, extra) in enumerate(FLOAT8_VARIANTS.items()):
+        flags_now = [os.environ.get("XLA_FLAGS", ""), extra]
+        if index == 0:
+            flags_now.append(f"--xla_dump_to={dump} {DUMP_FLAGS}")
+        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in flags_now if f)}
+        log(f"float8 probe, {variant}: GEMM kinds of a float8 step, a large float8 Dense step timed", doing=variant)
+        command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if FLAGS.smoke else [])]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            found.append({"variant": variant, "error": "timed out after 240 s"})
+            log(f"float8 probe, {variant}: timed out after 240 s")
+            continue
+        if done.returncode != 0:
+            found.append({"variant": variant, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"})
+            log(f"float8 probe, {variant}: failed, {found[-1]['error']}")
+            continue
+        result = {"variant": variant, **json.loads(done.stdout.strip().splitlines()[-1])}
+        found.append(result)
+        for case in result["cases"]:
+            log(f"float8 probe, {variant}, {case['case']}: GEMMs {case['gemms']}")
+        t = result["timing"]
+        log(
+            f"float8 probe, {variant}, Dense {t['shape']} step: bfloat16 {t['bfloat16_ms']:.2f} ms, "
+            f"float8 {t['float8_ms']:.2f} ms ({t['speedup']:.2f}x), float8 GEMMs {t['float8_gemms']}"
+        )
     return found
 
 
@@ -296,11 +324,11 @@ def run_part(number, log):
             log(f"{op} peak: " + ", ".join(f"{p} {v['flops'] / 1e12:.1f} TFLOP/s" for p, v in peaks.items()))
     if part.pytorch:
         result["cells"], result["left_out"] = _pytorch_rows(part, log)
+    elif part.float8_hlo:
+        result["float8_hlo"] = _float8_hlo(log)
     else:
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[part.model]
         result["cells"] = _timed_cells(part, batch, log, began)
-    if part.float8_hlo:
-        result["float8_hlo"] = _float8_hlo(log)
     result["seconds"] = time.perf_counter() - began
     files.write_json(os.path.join(FLAGS.output_dir, f"part{number}.json"), result)
     log(f"part {number} done in {result['seconds']:.0f} s")
@@ -310,6 +338,8 @@ def run_part(number, log):
 def _describe(part):
     if part.pytorch:
         return f"PyTorch AMP on {', '.join(part.pytorch)}"
+    if part.float8_hlo:
+        return f"float8 GEMMs and a float8 Dense step under {', '.join(FLOAT8_VARIANTS)}"
     return f"{part.model}, {part.optimizer}, {', '.join(part.precisions)}, tfmp.fit and Keras fit, XLA on"
 
 

@@ -146,6 +146,7 @@ def _goals(parts, cells, float8_cells):
     else:
         lines.append("- mixed policies against the peaks' ratio: part 1 (the peaks) not run yet")
     eight, sixteen = (_find(float8_cells, "encoder_4096", "adam", p, "tfmp") for p in ("float8", "mixed_bfloat16"))
+    # (Part 7 runs each precision's pair alone: this ratio is of medians taken apart.)
     if eight.get("examples_per_second") and sixteen.get("examples_per_second"):
         ratio = eight["examples_per_second"] / sixteen["examples_per_second"]
         lines.append(
@@ -154,24 +155,47 @@ def _goals(parts, cells, float8_cells):
             "accuracy within 0.5 pt: `python -m tfmp.doctor --parity --policy=float8`)"
         )
     else:
-        lines.append("- float8 on encoder_4096: part 6 not run yet, or a cell failed")
+        lines.append("- float8 on encoder_4096: part 7 not run yet, or a cell failed")
     return lines
 
 
 def _float8_hlo(parts):
-    probe = next((p["float8_hlo"] for p in parts if p.get("float8_hlo")), None)
-    if not probe or "cases" not in probe:
-        return [f"float8 HLO probe failed: {probe['error'][:300]}"] if probe else []
+    """Part 5: the GEMMs of a float8 step by kind, and a float8 Dense step's speed, under
+    each XLA_FLAGS variant."""
+    probes = next((p["float8_hlo"] for p in parts if p.get("float8_hlo")), None)
+    if not probes:
+        return []
     lines = [
-        f"Which GEMMs of one float8 training step XLA compiled (`python -m tfmp.bench.float8_hlo`, {probe['device']}; "
-        "3 matmuls a layer; XLA's HLO after each pass in float8_hlo/):",
+        "GEMMs of one float8 training step by kind (3 matmuls a layer; `python -m tfmp.bench.float8_hlo`; XLA's "
+        "HLO after each pass in float8_hlo/), and one Dense step of encoder_4096's feed-forward shape:",
         "",
-        "| layer | float8 cuBLASLt | other cuBLAS | Triton | plain dot |",
-        "|---|---|---|---|---|",
+        "| XLA_FLAGS | layer | float8 cuBLASLt | other cuBLAS | Triton float8 | other Triton | plain dot |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for case in probe["cases"]:
-        g = case["gemms"]
-        lines.append(f"| {case['case']} | {g['float8']} | {g['cublas']} | {g['triton']} | {g['dot']} |")
+    timings = []
+    for probe in probes:
+        variant = probe["variant"]
+        if "error" in probe:
+            lines.append(f"| {variant} | failed: {probe['error'][:200]} | | | | | |")
+            continue
+        for case in probe["cases"]:
+            g = case["gemms"]
+            lines.append(
+                f"| {variant} | {case['case']} | {g['float8']} | {g['cublas']} | {g['triton_float8']} | "
+                f"{g['triton']} | {g['dot']} |"
+            )
+        t = probe["timing"]
+        timings.append(
+            f"| {variant} | {t['shape']} | {t['bfloat16_ms']:.2f} | {t['float8_ms']:.2f} | {t['speedup']:.2f}x | "
+            f"{t['float8_gemms']['float8'] + t['float8_gemms']['triton_float8']} of 3 |"
+        )
+    if timings:
+        lines += [
+            "",
+            "| XLA_FLAGS | Dense step | bfloat16 ms | float8 ms | float8 speedup | float8 GEMMs |",
+            "|---|---|---|---|---|---|",
+            *timings,
+        ]
     return lines
 
 
@@ -208,7 +232,7 @@ def markdown(parts, all_parts):
         lines += ["## float8", "", *_float8_table(float8_cells), ""]
     hlo = _float8_hlo(parts)
     if hlo:
-        lines += [*hlo, ""]
+        lines += ["## float8 GEMMs", "", *hlo, ""]
     lines += ["## Goals", "", *_goals(parts, cells, float8_cells), ""]
     failed = [
         f"- {c['model']} {c['optimizer']} {c['precision']} {c['loop']}: {c['error']}"
