@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from absl import flags
 from conftest import GPUS, REPO
 
 from tfmp.bench import float8_hlo, gpu_report, gpu_tables, pytorch
@@ -88,7 +89,9 @@ def test_the_log_says_what_is_still_running_when_quiet(tmp_path):
     log = gpu_report.Log(str(tmp_path / "report.log"), quiet=0.2)
     log("compiling", doing="compiling resnet50")
     time.sleep(6)  # The watchdog looks every 5 s.
+    log.close()
     assert "... still compiling resnet50" in (tmp_path / "report.log").read_text()
+    assert "budget_seconds" not in flags.FLAGS  # Not on import.
 
 
 def _cell(model, optimizer, policy, loop, rate, **more):

@@ -93,16 +93,23 @@ LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
 SMOKE_PEAK_SIZES = {"matmul": 256, "conv": {"batch": 2, "size": 16, "channels": 8}}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("part", None, f"Which part to run: {', '.join(map(str, PARTS))} or all.")
-flags.DEFINE_string("output_dir", "gpu_report", "Where part<N>.json, report.md and report.log go.")
-flags.DEFINE_bool("smoke", False, "Tiny stand-ins of the models, batch 4, a few steps: the code path on a CPU.")
-flags.DEFINE_float(
-    "budget_seconds", 450.0, "A part warms no new fit after this many seconds (a warm-up and rounds fit in 9 minutes)."
-)
-flags.DEFINE_integer("warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.")
-flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
-flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
-flags.DEFINE_string("pytorch", "auto", "Part 7's Python: auto (this one, where it has torch), off, or a path.")
+
+
+def define_flags():
+    """The command's flags, defined when it runs (not on import: tests import this module
+    beside train.py's flags)."""
+    flags.DEFINE_string("part", None, f"Which part to run: {', '.join(map(str, PARTS))} or all.")
+    flags.DEFINE_string("output_dir", "gpu_report", "Where part<N>.json, report.md and report.log go.")
+    flags.DEFINE_bool("smoke", False, "Tiny stand-ins of the models, batch 4, a few steps: the code path on a CPU.")
+    flags.DEFINE_float(
+        "budget_seconds",
+        450.0,
+        "A part warms no new fit after this many seconds (the last warm-up and rounds end within 9 min).",
+    )
+    flags.DEFINE_integer("warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.")
+    flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
+    flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
+    flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
 
 
 class Log:
@@ -111,7 +118,12 @@ class Log:
 
     def __init__(self, path, quiet=50.0):
         self.path, self.quiet, self.doing, self.last = path, quiet, "starting", time.monotonic()
+        self._closed = threading.Event()
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def close(self):
+        """Stops the watchdog."""
+        self._closed.set()
 
     def __call__(self, line, doing=None):
         self.doing = doing or self.doing
@@ -122,8 +134,7 @@ class Log:
             f.write(f"{stamp} {line}\n")
 
     def _watch(self):
-        while True:
-            time.sleep(5)
+        while not self._closed.wait(5):
             if time.monotonic() - self.last >= self.quiet:
                 self(f"... still {self.doing}")
 
@@ -365,6 +376,7 @@ def main(argv):
         with open(os.path.join(FLAGS.output_dir, "report.md"), "w") as f:
             f.write(gpu_tables.markdown(parts, PARTS) + "\n")
         log(f"wrote {FLAGS.output_dir}/report.md ({len(parts)} of {len(PARTS)} parts)")
+    log.close()
     # Everything is written. Tearing down a process that compiled dozens of XLA steps takes
     # half a minute more (measured after --part=all --smoke), time a GPU session lacks.
     sys.stdout.flush()
@@ -373,4 +385,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
