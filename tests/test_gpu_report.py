@@ -76,6 +76,10 @@ def test_a_part_warms_no_fit_past_its_budget(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "## Not measured" in report and "resnet50 adam float32 tfmp: not run" in report
     assert "not yet: 1, 3, 4, 5, 6, 7, 8" in report
+    result = _report(tmp_path, "--part=5", "--budget_seconds=0", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probes = json.loads((tmp_path / "part5.json").read_text())["float8_hlo"]
+    assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(gpu_report.FLOAT8_VARIANTS)
 
 
 def test_bad_flags_are_refused_naming_the_flag(tmp_path):

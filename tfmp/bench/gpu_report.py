@@ -241,7 +241,7 @@ def _timed_cells(part, batch, log, began):
         held = {}
         for policy in group:
             for trainer in runs.TRAINERS:
-                if time.perf_counter() - began > FLAGS.budget_seconds:
+                if _spent(began):
                     why = "not run: the part's budget was spent"
                     cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": why}
                     log(f"{part.model} {policy} {LOOPS[trainer]}: {why}")
@@ -258,8 +258,17 @@ def _timed_cells(part, batch, log, began):
     return list(cells.values())
 
 
-def _pytorch_rows(part, log):
-    """PyTorch AMP's rows for the part's models, both optimizers."""
+def _left(began):
+    """Seconds of the part's budget left (at least 60: a subprocess's own time limit)."""
+    return max(60.0, FLAGS.budget_seconds - (time.perf_counter() - began))
+
+
+def _spent(began):
+    return time.perf_counter() - began > FLAGS.budget_seconds
+
+
+def _pytorch_rows(part, log, began):
+    """PyTorch AMP's rows for the part's models, both optimizers, while the budget lasts."""
     rows, left_out = [], []
     for name in part.pytorch:
         python = pytorch.find_python(FLAGS.pytorch, name)
@@ -269,9 +278,13 @@ def _pytorch_rows(part, log):
             continue
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[name]
         for optimizer in pytorch.OPTIMIZERS:
+            if _spent(began):
+                left_out.append(f"{name} {optimizer}: not run, the part's budget was spent")
+                log(f"pytorch {left_out[-1]}")
+                continue
             log(f"pytorch {name} {optimizer}: a subprocess in {python}", doing=f"timing pytorch {name} {optimizer}")
             found, facts = pytorch.rates(
-                python, MIXED, batch, FLAGS.rounds, 4.0, FLAGS.max_steps, timeout=480,
+                python, MIXED, batch, FLAGS.rounds, 4.0, FLAGS.max_steps, timeout=_left(began),
                 model=name, optimizer=optimizer, smoke=FLAGS.smoke, say=log,
             )  # fmt: skip
             if found is None:
@@ -283,13 +296,17 @@ def _pytorch_rows(part, log):
     return rows, left_out
 
 
-def _float8_hlo(log):
+def _float8_hlo(log, began):
     """Runs `float8_hlo` in a subprocess under each of `FLOAT8_VARIANTS`: a list of its
     results (or {"error"}), each with its "variant"; the first keeps XLA's HLO after every
     pass in float8_hlo/."""
     dump = os.path.join(FLAGS.output_dir, "float8_hlo")
     found = []
     for index, (variant, extra) in enumerate(FLOAT8_VARIANTS.items()):
+        if _spent(began):
+            found.append({"variant": variant, "error": "not run: the part's budget was spent"})
+            log(f"float8 probe, {variant}: not run, the part's budget was spent")
+            continue
         flags_now = [os.environ.get("XLA_FLAGS", ""), extra]
         if index == 0:
             flags_now.append(f"--xla_dump_to={dump} {DUMP_FLAGS}")
@@ -297,10 +314,10 @@ def _float8_hlo(log):
         log(f"float8 probe, {variant}: GEMM kinds of a float8 step, a large float8 Dense step timed", doing=variant)
         command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if FLAGS.smoke else [])]
         try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired:
-            found.append({"variant": variant, "error": "timed out after 240 s"})
-            log(f"float8 probe, {variant}: timed out after 240 s")
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=min(240, _left(began)))
+        except subprocess.TimeoutExpired as e:
+            found.append({"variant": variant, "error": f"timed out after {e.timeout:.0f} s"})
+            log(f"float8 probe, {variant}: {found[-1]['error']}")
             continue
         if done.returncode != 0:
             found.append({"variant": variant, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"})
@@ -334,9 +351,9 @@ def run_part(number, log):
         for op, peaks in result["peaks"].items():
             log(f"{op} peak: " + ", ".join(f"{p} {v['flops'] / 1e12:.1f} TFLOP/s" for p, v in peaks.items()))
     if part.pytorch:
-        result["cells"], result["left_out"] = _pytorch_rows(part, log)
+        result["cells"], result["left_out"] = _pytorch_rows(part, log, began)
     elif part.float8_hlo:
-        result["float8_hlo"] = _float8_hlo(log)
+        result["float8_hlo"] = _float8_hlo(log, began)
     else:
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[part.model]
         result["cells"] = _timed_cells(part, batch, log, began)
