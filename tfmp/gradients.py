@@ -26,10 +26,16 @@ def to_float32(g):
 
 
 def deduplicate(g):
-    """IndexedSlices with each row once (duplicates summed); other gradients as they are."""
+    """IndexedSlices with each row once (duplicates summed, indices sorted); other gradients
+    as they are. By sorting, not `tf.unique`: XLA compiles that to a loop over every index
+    (16,384 iterations for a 256 x 64 batch of token ids, slower than the model's whole step)."""
     if not isinstance(g, tf.IndexedSlices):
         return g
-    unique, position = tf.unique(g.indices)
+    order = tf.argsort(g.indices, stable=True)
+    ids = tf.gather(g.indices, order)
+    starts = tf.not_equal(ids, tf.concat([ids[:1] - 1, ids[:-1]], 0))  # Where a new index begins.
+    unique = tf.boolean_mask(ids, starts)
+    position = tf.gather(tf.cumsum(tf.cast(starts, tf.int32)) - 1, tf.math.invert_permutation(order))
     values = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
     return tf.IndexedSlices(values, unique, g.dense_shape)
 
