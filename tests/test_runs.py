@@ -375,6 +375,26 @@ def test_sigterm_whose_exception_a_finalizer_drops_still_preempts(tmp_path):
         pass
 
 
+def test_sigterm_during_an_import_is_not_raised_there(tmp_path, capfd):
+    """Raised inside an import that C code started, SIGTERM's exception comes back as a
+    SystemError with a traceback on stderr (one full-suite run: TensorFlow's nest importing
+    lazily). During an import the handler only sets the flag; the block's end raises."""
+    from tfmp.errors import Preempted
+
+    # Code whose frame reads as the import machinery's, as Python's frozen importlib does.
+    # Its loop lets the handler run while that frame is the current one.
+    source = "os.kill(os.getpid(), signal.SIGTERM)\nfor _ in range(100000):\n    pass"
+    importing = compile(source, "<frozen importlib._bootstrap>", "exec")
+    reached = False
+    with pytest.raises(Preempted, match="SIGTERM outside training"), cli.sigterm_exits_75(str(tmp_path)):
+        exec(importing, {"os": os, "signal": signal})  # No exception here, in the "import".
+        reached = cli.SIGTERM_RECEIVED.is_set()
+    assert reached and "Traceback" not in capfd.readouterr().err
+    with pytest.raises(Preempted), cli.sigterm_exits_75(str(tmp_path)):
+        os.kill(os.getpid(), signal.SIGTERM)  # Anywhere else: raised where it lands.
+        time.sleep(5)
+
+
 def test_preempted_wrapped_by_tracing_still_exits_75_with_one_line(capsys):
     """SIGTERM's Preempted raised while TensorFlow traces comes out as autograph's error,
     with the Preempted as its context."""

@@ -88,6 +88,11 @@ def sigterm_exits_75(model_dir):
 
     def handler(signum, frame):
         SIGTERM_RECEIVED.set()  # Kept: Python drops an exception raised inside a finalizer.
+        if _importing(frame):
+            # Raised inside an import that C code started (TensorFlow's nest does), it comes
+            # back as a SystemError whose traceback TensorFlow prints, and is lost. The flag
+            # stops the run instead: at tfmp.fit's first step, or when this block ends.
+            return
         raise Preempted(message)
 
     SIGTERM_RECEIVED.clear()
@@ -100,6 +105,15 @@ def sigterm_exits_75(model_dir):
         SIGTERM_RECEIVED.clear()  # Not left for a later run in this process (a notebook, a test).
     if dropped:  # The block ended as if no SIGTERM had come: its Preempted was dropped.
         raise Preempted(message)
+
+
+def _importing(frame):
+    """Whether `frame` or one that called it runs Python's import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
