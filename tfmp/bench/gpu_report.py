@@ -89,7 +89,8 @@ FLOAT8_VARIANTS = {
     "Triton GEMMs off": "--xla_gpu_enable_triton_gemm=false",
     "cuBLASLt on": "--xla_gpu_enable_cublaslt=true",
 }
-LOOPS = {"tfmp": "tfmp.fit", "keras": "Keras fit"}
+LOOPS = gpu_tables.LOOP_NAMES
+BUDGET_SPENT = "not run: the part's budget was spent"
 SMOKE_PEAK_SIZES = {"matmul": 256, "conv": {"batch": 2, "size": 16, "channels": 8}}
 
 FLAGS = flags.FLAGS
@@ -242,9 +243,8 @@ def _timed_cells(part, batch, log, began):
         for policy in group:
             for trainer in runs.TRAINERS:
                 if _spent(began):
-                    why = "not run: the part's budget was spent"
-                    cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": why}
-                    log(f"{part.model} {policy} {LOOPS[trainer]}: {why}")
+                    cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": BUDGET_SPENT}
+                    log(f"{part.model} {policy} {LOOPS[trainer]}: {BUDGET_SPENT}")
                     continue
                 runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log)
                 if runner is not None:
@@ -279,7 +279,7 @@ def _pytorch_rows(part, log, began):
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[name]
         for optimizer in pytorch.OPTIMIZERS:
             if _spent(began):
-                left_out.append(f"{name} {optimizer}: not run, the part's budget was spent")
+                left_out.append(f"{name} {optimizer}: {BUDGET_SPENT}")
                 log(f"pytorch {left_out[-1]}")
                 continue
             log(f"pytorch {name} {optimizer}: a subprocess in {python}", doing=f"timing pytorch {name} {optimizer}")
@@ -304,8 +304,8 @@ def _float8_hlo(log, began):
     found = []
     for index, (variant, extra) in enumerate(FLOAT8_VARIANTS.items()):
         if _spent(began):
-            found.append({"variant": variant, "error": "not run: the part's budget was spent"})
-            log(f"float8 probe, {variant}: not run, the part's budget was spent")
+            found.append({"variant": variant, "error": BUDGET_SPENT})
+            log(f"float8 probe, {variant}: {BUDGET_SPENT}")
             continue
         flags_now = [os.environ.get("XLA_FLAGS", ""), extra]
         if index == 0:
