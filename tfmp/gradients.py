@@ -26,21 +26,27 @@ def to_float32(g):
 
 
 def deduplicate(g):
-    """IndexedSlices with each row once (duplicates summed, indices sorted); other gradients
-    as they are. By sorting, not `tf.unique`: XLA compiles that to a loop over every index
-    (16,384 iterations for a 256 x 64 batch of token ids, slower than the model's whole
-    step). From TensorFlow 2.21 the compiled step has no loop; before, XLA's bridge still
-    loops over the segments of a run-time count."""
+    """IndexedSlices with each index's rows summed into its first row, other gradients as
+    they are. The shapes do not depend on the values: the rows stay as many as `g` has,
+    with the same indices, and a repeated index's later rows become zero. Zero rows change
+    no sum, norm or zero-preserving update (Keras' sparse ops are).
+
+    Each row goes to the first row of its index, found by a scatter-minimum of row
+    numbers over the table's rows. Not `tf.unique`: XLA compiles that to a loop over every
+    index (16,384 iterations for a 256 x 64 batch of token ids, slower than the model's
+    whole step). Nor sorting: XLA's lowering of `tf.argsort` makes the module dynamic, and
+    its dynamic padder then inlines the random-number generators of dropout into every
+    consumer (a transformer's step 7x slower on a CPU). Nor a count of the distinct indices
+    as the number of rows: under XLA the token ids become a compile-time constant, and the
+    step is compiled again for every new batch."""
     if not isinstance(g, tf.IndexedSlices):
         return g
-    order = tf.argsort(g.indices, stable=True)
-    ids = tf.gather(g.indices, order)
-    starts = tf.not_equal(ids, tf.concat([ids[:1] - 1, ids[:-1]], 0))  # Where a new index begins.
-    segment = tf.cumsum(tf.cast(starts, tf.int32)) - 1  # Each sorted index's row.
-    count = tf.reduce_sum(tf.cast(starts, tf.int32))
-    unique = tf.math.unsorted_segment_max(ids, segment, count)  # Not tf.boolean_mask: a loop before TF 2.21.
-    values = tf.math.unsorted_segment_sum(g.values, tf.gather(segment, tf.math.invert_permutation(order)), count)
-    return tf.IndexedSlices(values, unique, g.dense_shape)
+    rows = tf.shape(g.indices, out_type=g.indices.dtype)[0]
+    numbers = tf.range(rows)
+    table_rows = tf.cast(g.dense_shape[0], g.indices.dtype)
+    first = tf.tensor_scatter_nd_min(tf.fill([table_rows], rows), g.indices[:, tf.newaxis], numbers)
+    values = tf.math.unsorted_segment_sum(g.values, tf.gather(first, g.indices), rows)
+    return tf.IndexedSlices(values, g.indices, g.dense_shape)
 
 
 def values(g):
