@@ -152,4 +152,3 @@ def test_a_sparse_step_compiles_once_for_every_batch():
     hlo = [steps._step.experimental_get_compiler_ir(((ids, y),))(stage="hlo") for ids in (x, x * 0 + 7)]  # noqa: SLF001
     assert hlo[0] == hlo[1]
     assert "set-dimension-size" not in hlo[0]
-
