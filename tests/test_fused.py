@@ -139,7 +139,11 @@ def test_deduplicate_sums_the_rows_of_an_index_in_one_static_computation():
     assert hlo == compiled.experimental_get_compiler_ir(values, tf.constant([2, 2, 2, 2, 2]))(stage="hlo")
     assert "set-dimension-size" not in hlo
     optimized = compiled.experimental_get_compiler_ir(values, indices)(stage="optimized_hlo")
-    assert " while(" not in optimized
+    loops = [line for line in optimized.splitlines() if " while(" in line]
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 21):
+        # XLA's CPU backend expanded every scatter (segment sums included) to a loop then.
+        loops = [line for line in loops if "known_trip_count" not in line or 'op_type="Unique"' in line]
+    assert not loops, loops
 
 
 def test_a_sparse_step_compiles_once_for_every_batch():
