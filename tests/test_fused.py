@@ -101,12 +101,13 @@ def test_adam_is_fused_only_where_the_kernel_rounds_as_keras_does():
 
 @pytest.mark.parametrize(
     "optimizer, replicas, deduplicated",
-    [("adam", 1, False), ("momentum", 1, False), ("sgd", 1, True), ("adam", 2, True)],
+    [("adam", 1, False), ("momentum", 1, False), ("amsgrad", 1, False), ("sgd", 1, True), ("adam", 2, True)],
 )
 def test_embedding_gradient_dense_at_once_where_nothing_gains_from_sparse(mirrored, optimizer, replicas, deduplicated):
-    # On one replica Adam and momentum make the embedding's gradient dense anyway: it is
-    # made dense first, not deduplicated for the norm. Plain SGD updates the rows looked up
-    # only, and two replicas all-gather the rows: those keep it sparse (deduplicated).
+    # On one replica Adam and momentum make the embedding's gradient dense anyway (fused or
+    # Keras' own update, as amsgrad's): it is made dense first, not deduplicated for the
+    # norm. Plain SGD updates the rows looked up only, and two replicas all-gather the
+    # rows: those keep it sparse (deduplicated).
     model = _model(optimizer, mirrored if replicas == 2 else None)
     tfmp.fit(model, _data(), steps_per_epoch=1, verbose=0)
     ops = _op_types(model)

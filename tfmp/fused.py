@@ -72,6 +72,22 @@ def _same_as_keras(beta):
     return np.float32(1.0 - beta) == np.float32(1.0) - np.float32(beta)
 
 
+# Keras updates whose first arithmetic on the gradient makes an IndexedSlices dense: a
+# moment that decays on every row (Keras' sparse ops densify a sum of sparse and dense).
+_DENSE_UPDATES = ("Adam", "Adamax", "Nadam", "Lion", "Adafactor", "RMSprop")
+
+
+def keras_densifies(optimizer):
+    """Whether `optimizer`'s update (Keras' or the fused one) makes an embedding's sparse
+    gradient dense anyway: Adam and AdamW, Adamax, Nadam, Lion, Adafactor, RMSprop and SGD
+    with momentum. Not plain SGD, which updates the rows looked up only, nor any other
+    (Adagrad, say, scatters its rows; a subclass may change the update)."""
+    update = type(optimizer).update_step
+    if update is keras.optimizers.SGD.update_step:
+        return optimizer.momentum != 0
+    return any(update is getattr(keras.optimizers, name).update_step for name in _DENSE_UPDATES)
+
+
 def update_step(optimizer, exact=True):
     """A fused replacement for `optimizer.update_step(gradient, variable, learning_rate)`,
     falling back to Keras' own for what it does not cover; None for other optimizers.
@@ -92,8 +108,7 @@ def update_step(optimizer, exact=True):
 
     def densifies(variable):
         """Whether this update makes a sparse gradient for `variable` dense."""
-        sparse_rows = fused is _sgd and optimizer.momentum == 0  # Updates the rows looked up only.
-        return tf.as_dtype(variable.dtype) == tf.float32 and not sparse_rows
+        return keras_densifies(optimizer)
 
     def step(gradient, variable, learning_rate):
         if tf.as_dtype(variable.dtype) != tf.float32:
