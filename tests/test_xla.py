@@ -298,3 +298,30 @@ def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strate
     # Without XLA the same count grows with the variables: the counter sees into the calls.
     keras.config.set_dtype_policy("float32")
     assert xla.ops_outside_xla(update_graph(50, strategy, keras.optimizers.Adam, jit_compile=False)) > 500
+
+
+@pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
+def test_token_models_compile_one_step_for_every_batch(name, precision):
+    """No shape in the compiled step depends on the token ids (masks, sparse gradients,
+    rounding): else XLA makes the ids a compile-time constant and compiles a step for every
+    new batch. The step's HLO for two different batches is the same."""
+    from tfmp.app import models
+
+    tfmp.configure_precision(precision)
+    try:
+        keras.utils.set_random_seed(0)
+        model = models.compile(
+            models.MODELS[name].build(2, vocab_size=50, sequence_length=8), keras.optimizers.SGD(0.1)
+        )
+        ids = np.random.default_rng(0).integers(0, 50, (2, 4, 8))
+        ids[1, :, 5:] = 0  # Padding: the lstm masks it.
+        labels = tf.constant([0, 1, 0, 1])
+        data = tf.data.Dataset.from_tensor_slices((ids[0], labels)).batch(4)
+        compiled = loop.prepare(model, tf.distribute.get_strategy(), data.element_spec)
+        compiled.compile(True)
+        step = compiled._step  # noqa: SLF001
+        hlo = [step.experimental_get_compiler_ir(((tf.constant(x), labels),))(stage="hlo") for x in ids]
+    finally:
+        tfmp.configure_precision("float32")
+        keras.backend.clear_session()
+    assert hlo[0] == hlo[1]
