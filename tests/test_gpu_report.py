@@ -48,7 +48,7 @@ def test_smoke_runs_every_part_and_writes_the_report(tmp_path):
     bert = {c["precision"]: c for c in parts[4]["cells"] if c["loop"] == "tfmp"}
     assert bert["bfloat16"]["state_mb"] < 0.7 * bert["mixed_bfloat16"]["state_mb"]  # Kahan: 8 bytes, not 12.
     probes = parts[5]["float8_hlo"]
-    assert [p["variant"] for p in probes] == list(gpu_report.FLOAT8_VARIANTS)
+    assert [p["variant"] for p in probes] == list(float8_hlo.VARIANTS)
     for probe in probes:
         variant = probe["variant"]
         assert "error" not in probe and len(probe["cases"]) == 3, (variant, probe.get("error"))
@@ -79,7 +79,7 @@ def test_a_part_warms_no_fit_past_its_budget(tmp_path):
     result = _report(tmp_path, "--part=5", "--budget_seconds=0", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     probes = json.loads((tmp_path / "part5.json").read_text())["float8_hlo"]
-    assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(gpu_report.FLOAT8_VARIANTS)
+    assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(float8_hlo.VARIANTS)
 
 
 def test_bad_flags_are_refused_naming_the_flag(tmp_path):

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -37,6 +38,13 @@ import tensorflow as tf  # noqa: E402
 from tfmp import precision  # noqa: E402
 
 FLOAT8_GEMM = "__cublas$lt$matmul$f8"
+# XLA_FLAGS `run_variants` runs the probe under; the first also keeps XLA's HLO after every pass.
+VARIANTS = {
+    "XLA's defaults": "",
+    "Triton GEMMs off": "--xla_gpu_enable_triton_gemm=false",
+    "cuBLASLt on": "--xla_gpu_enable_cublaslt=true",
+}
+DUMP_FLAGS = "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.*"  # Every pass, the probe's steps.
 
 
 def gemm_kinds(hlo):
@@ -147,6 +155,48 @@ def timing(tokens=8192, width=4096, units=16384, calls=20):
             found["float8_gemms"] = gemm_kinds(_step_hlo(layer, x))
     found["speedup"] = found["bfloat16_ms"] / found["float8_ms"]
     return found
+
+
+def run_variants(dump_dir, *, small, left, log, spent_text):
+    """Runs this module in a subprocess under each of `VARIANTS` (the first keeping XLA's
+    HLO after every pass in `dump_dir`): a list of its results, or of {"error"}, each with
+    its "variant". `left()`: seconds left of the caller's budget (none left: `spent_text`);
+    `log(text, doing=...)`: the caller's log."""
+    found = []
+    for index, (variant, extra) in enumerate(VARIANTS.items()):
+        if left() <= 0:
+            found.append({"variant": variant, "error": spent_text})
+            log(f"float8 probe, {variant}: {spent_text}")
+            continue
+        flags_now = [os.environ.get("XLA_FLAGS", ""), extra]
+        if index == 0:
+            flags_now.append(f"--xla_dump_to={dump_dir} {DUMP_FLAGS}")
+        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in flags_now if f)}
+        log(f"float8 probe, {variant}: GEMM kinds of a float8 step, a large float8 Dense step timed", doing=variant)
+        command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if small else [])]
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=min(240, max(60, left())))
+        except subprocess.TimeoutExpired as e:
+            found.append({"variant": variant, "error": f"timed out after {e.timeout:.0f} s"})
+            log(f"float8 probe, {variant}: {found[-1]['error']}")
+            continue
+        if done.returncode != 0:
+            found.append({"variant": variant, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"})
+            log(f"float8 probe, {variant}: failed, {found[-1]['error']}")
+            continue
+        found.append({"variant": variant, **json.loads(done.stdout.strip().splitlines()[-1])})
+        _log_result(found[-1], log)
+    return found
+
+
+def _log_result(result, log):
+    for case in result["cases"]:
+        log(f"float8 probe, {result['variant']}, {case['case']}: GEMMs {case['gemms']}")
+    t = result["timing"]
+    log(
+        f"float8 probe, {result['variant']}, Dense {t['shape']} step: bfloat16 {t['bfloat16_ms']:.2f} ms, "
+        f"float8 {t['float8_ms']:.2f} ms ({t['speedup']:.2f}x), float8 GEMMs {t['float8_gemms']}"
+    )
 
 
 def main(argv):

@@ -31,7 +31,6 @@ import gc  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -41,7 +40,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tfmp import bf16, callbacks, files, precision, timing  # noqa: E402
-from tfmp.bench import gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
+from tfmp.bench import float8_hlo, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
 MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
 OPTIMIZERS = {
@@ -59,7 +58,7 @@ class Part:
             False for models too large for that (each precision's pair alone).
         peaks: time the matmul and conv peaks first.
         float8_hlo: instead, which GEMMs XLA makes float8, and a float8 Dense step's speed,
-            under each of `FLOAT8_VARIANTS`.
+            under each of `float8_hlo.VARIANTS`.
         pytorch: PyTorch AMP's rows for these models (each: both optimizers) instead.
     """
 
@@ -81,13 +80,6 @@ PARTS = {
     6: Part("bert_base", "adam", ("mixed_bfloat16", "float8")),
     7: Part("encoder_4096", "adam", ("mixed_bfloat16", "float8"), together=False),
     8: Part(pytorch=("resnet50", "bert_base")),
-}
-DUMP_FLAGS = "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.*"  # Every pass, the probe's steps.
-# XLA_FLAGS the float8 probe runs under: the first keeps XLA's HLO after every pass.
-FLOAT8_VARIANTS = {
-    "XLA's defaults": "",
-    "Triton GEMMs off": "--xla_gpu_enable_triton_gemm=false",
-    "cuBLASLt on": "--xla_gpu_enable_cublaslt=true",
 }
 LOOPS = gpu_tables.LOOP_NAMES
 BUDGET_SPENT = "not run: the part's budget was spent"
@@ -296,45 +288,6 @@ def _pytorch_rows(part, log, began):
     return rows, left_out
 
 
-def _float8_hlo(log, began):
-    """Runs `float8_hlo` in a subprocess under each of `FLOAT8_VARIANTS`: a list of its
-    results (or {"error"}), each with its "variant"; the first keeps XLA's HLO after every
-    pass in float8_hlo/."""
-    dump = os.path.join(FLAGS.output_dir, "float8_hlo")
-    found = []
-    for index, (variant, extra) in enumerate(FLOAT8_VARIANTS.items()):
-        if _spent(began):
-            found.append({"variant": variant, "error": BUDGET_SPENT})
-            log(f"float8 probe, {variant}: {BUDGET_SPENT}")
-            continue
-        flags_now = [os.environ.get("XLA_FLAGS", ""), extra]
-        if index == 0:
-            flags_now.append(f"--xla_dump_to={dump} {DUMP_FLAGS}")
-        env = {**os.environ, "XLA_FLAGS": " ".join(f for f in flags_now if f)}
-        log(f"float8 probe, {variant}: GEMM kinds of a float8 step, a large float8 Dense step timed", doing=variant)
-        command = [sys.executable, "-m", "tfmp.bench.float8_hlo", *(["--small"] if FLAGS.smoke else [])]
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=min(240, _left(began)))
-        except subprocess.TimeoutExpired as e:
-            found.append({"variant": variant, "error": f"timed out after {e.timeout:.0f} s"})
-            log(f"float8 probe, {variant}: {found[-1]['error']}")
-            continue
-        if done.returncode != 0:
-            found.append({"variant": variant, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"})
-            log(f"float8 probe, {variant}: failed, {found[-1]['error']}")
-            continue
-        result = {"variant": variant, **json.loads(done.stdout.strip().splitlines()[-1])}
-        found.append(result)
-        for case in result["cases"]:
-            log(f"float8 probe, {variant}, {case['case']}: GEMMs {case['gemms']}")
-        t = result["timing"]
-        log(
-            f"float8 probe, {variant}, Dense {t['shape']} step: bfloat16 {t['bfloat16_ms']:.2f} ms, "
-            f"float8 {t['float8_ms']:.2f} ms ({t['speedup']:.2f}x), float8 GEMMs {t['float8_gemms']}"
-        )
-    return found
-
-
 def run_part(number, log):
     """Runs part `number`; its figures go to part<number>.json."""
     part = PARTS[number]
@@ -353,7 +306,13 @@ def run_part(number, log):
     if part.pytorch:
         result["cells"], result["left_out"] = _pytorch_rows(part, log, began)
     elif part.float8_hlo:
-        result["float8_hlo"] = _float8_hlo(log, began)
+        result["float8_hlo"] = float8_hlo.run_variants(
+            os.path.join(FLAGS.output_dir, "float8_hlo"),
+            small=FLAGS.smoke,
+            left=lambda: FLAGS.budget_seconds - (time.perf_counter() - began),
+            log=log,
+            spent_text=BUDGET_SPENT,
+        )
     else:
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[part.model]
         result["cells"] = _timed_cells(part, batch, log, began)
@@ -367,7 +326,7 @@ def _describe(part):
     if part.pytorch:
         return f"PyTorch AMP on {', '.join(part.pytorch)}"
     if part.float8_hlo:
-        return f"float8 GEMMs and a float8 Dense step under {', '.join(FLOAT8_VARIANTS)}"
+        return f"float8 GEMMs and a float8 Dense step under {', '.join(float8_hlo.VARIANTS)}"
     return f"{part.model}, {part.optimizer}, {', '.join(part.precisions)}, tfmp.fit and Keras fit, XLA on"
 
 
