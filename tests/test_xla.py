@@ -11,6 +11,7 @@ import tiny
 
 import tfmp
 from tfmp import keras_compat, loop, steps, xla
+from tfmp.app import models
 from tfmp.errors import UsageError
 
 
@@ -305,8 +306,6 @@ def test_token_models_compile_one_step_for_every_batch(name, precision):
     """No shape in the compiled step depends on the token ids (masks, sparse gradients,
     rounding): else XLA makes the ids a compile-time constant and compiles a step for every
     new batch. The step's HLO for two different batches is the same."""
-    from tfmp.app import models
-
     tfmp.configure_precision(precision)
     try:
         keras.utils.set_random_seed(0)

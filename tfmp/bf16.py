@@ -218,7 +218,6 @@ def update_step(optimizer, rounding, seed, fallback):
             else:
                 slot.assign(round_stochastic(view.value, _seed(seed, step_count, index, part)))
 
-    step.densifies = lambda variable: is_bfloat16(variable) or getattr(fallback, "densifies", lambda _: False)(variable)
     return step
 
 

@@ -105,21 +105,17 @@ def update_step(optimizer, exact=True):
     else:
         return None
     keras_update = optimizer.update_step
-
-    def densifies(variable):
-        """Whether this update makes a sparse gradient for `variable` dense."""
-        return keras_densifies(optimizer)
+    dense = keras_densifies(optimizer)  # Else the update touches the rows looked up only.
 
     def step(gradient, variable, learning_rate):
         if tf.as_dtype(variable.dtype) != tf.float32:
             return keras_update(gradient, variable, learning_rate)
         if isinstance(gradient, tf.IndexedSlices):
-            if not densifies(variable):
+            if not dense:
                 return keras_update(gradient, variable, learning_rate)
             # Adam's moments and momentum decay on every row: Keras' update makes the
             # gradient dense for them anyway (its first subtraction does).
             gradient = tf.convert_to_tensor(gradient)
         return fused(optimizer, gradient, variable, learning_rate)
 
-    step.densifies = densifies
     return step

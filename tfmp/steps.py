@@ -99,9 +99,9 @@ class Steps:
         # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
         # moments decay on every row): once dense, they need no deduplication for the norm.
         alone = strategy.num_replicas_in_sync == 1
+        # A bfloat16 weight's update (tfmp.bf16) reads its gradient whole, whatever the optimizer.
         dense_update = fused.keras_densifies(inner)
-        densifies = getattr(self._update_step, "densifies", lambda _: False)  # bfloat16 weights: always.
-        self._dense = [not self.sparse or (alone and (dense_update or densifies(v))) for v in self.variables]
+        self._dense = [not self.sparse or (alone and (dense_update or bfloat16)) for bfloat16 in self._bf16]
         self._ran = False
         self.compile(jit_compile)
 

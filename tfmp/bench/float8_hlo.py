@@ -160,11 +160,11 @@ def timing(tokens=8192, width=4096, units=16384, calls=20):
 def run_variants(dump_dir, *, small, left, log, spent_text):
     """Runs this module in a subprocess under each of `VARIANTS` (the first keeping XLA's
     HLO after every pass in `dump_dir`): a list of its results, or of {"error"}, each with
-    its "variant". `left()`: seconds left of the caller's budget (none left: `spent_text`);
+    its "variant". `left()`: seconds left of the caller's budget (negative: `spent_text`);
     `log(text, doing=...)`: the caller's log."""
     found = []
     for index, (variant, extra) in enumerate(VARIANTS.items()):
-        if left() <= 0:
+        if left() < 0:
             found.append({"variant": variant, "error": spent_text})
             log(f"float8 probe, {variant}: {spent_text}")
             continue

@@ -250,13 +250,18 @@ def _timed_cells(part, batch, log, began):
     return list(cells.values())
 
 
+def _remaining(began):
+    """Seconds of the part's budget left (negative once spent)."""
+    return FLAGS.budget_seconds - (time.perf_counter() - began)
+
+
 def _left(began):
-    """Seconds of the part's budget left (at least 60: a subprocess's own time limit)."""
-    return max(60.0, FLAGS.budget_seconds - (time.perf_counter() - began))
+    """`_remaining`, at least 60: a subprocess's own time limit."""
+    return max(60.0, _remaining(began))
 
 
 def _spent(began):
-    return time.perf_counter() - began > FLAGS.budget_seconds
+    return _remaining(began) < 0
 
 
 def _pytorch_rows(part, log, began):
@@ -309,7 +314,7 @@ def run_part(number, log):
         result["float8_hlo"] = float8_hlo.run_variants(
             os.path.join(FLAGS.output_dir, "float8_hlo"),
             small=FLAGS.smoke,
-            left=lambda: FLAGS.budget_seconds - (time.perf_counter() - began),
+            left=functools.partial(_remaining, began),
             log=log,
             spent_text=BUDGET_SPENT,
         )
