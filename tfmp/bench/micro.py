@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tfmp import fused, inputs, loop, steps, timing
 from tfmp.app import models
-from tfmp.bench import realsize
+from tfmp.bench import lockstep, realsize
 from tfmp.bench.runs import FitRunner
 from tfmp.bench.tables import TRAINERS
 
@@ -33,8 +33,13 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
     """Milliseconds per step of tfmp.fit and of Keras fit on a deep, narrow MLP (`layers`
     Dense layers of width 16, batch 32: 2 variables a layer, each step's math small), where
     the loops' own cost per variable shows: 12 cells, float32 / mixed_bfloat16 /
-    mixed_float16 x XLA on / off x SGD / Adam, the same setting in both loops. Each cell:
-    the median over `rounds` alternating rounds of each loop's median step time."""
+    mixed_float16 x XLA on / off x SGD / Adam, the same setting in both loops.
+
+    In each of `rounds` rounds both loops train `steps_per_turn` steps in lockstep (a step
+    of each in turn, `lockstep.run`; the other loop first every other round), so that a
+    slow spell of a shared machine falls on both. A cell's ms are the medians over the
+    rounds of each loop's median step time; its speedup, the median of the per-round
+    ratios (Keras' ms over tfmp's), as the bench's other ratios are."""
     rng = np.random.default_rng(0)
     x = rng.random((1024, 16), dtype=np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
@@ -51,19 +56,26 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
                 runners = {t: FitRunner(t, policy, build, dataset, 32, xla_on, optimizer) for t in TRAINERS}
                 for runner in runners.values():
                     runner.run(3)  # Trace, compile and warm up.
-                times = {t: [] for t in TRAINERS}
+                times, ratios = {t: [] for t in TRAINERS}, []
                 for round_index in range(rounds):
-                    for trainer, runner in timing.in_turn(runners, round_index):
+                    order = timing.in_turn(runners, round_index)
+                    for _, runner in order:
                         runner.step_times = []
-                        runner.run(steps_per_turn)
-                        times[trainer].append(1e3 * statistics.median(runner.step_times))
+                    lockstep.run([runner for _, runner in order], steps_per_turn)
+                    ms = {t: 1e3 * statistics.median(runner.step_times) for t, runner in order}
+                    for trainer, value in ms.items():
+                        times[trainer].append(value)
+                    ratios.append(ms["keras"] / ms["tfmp"])
                 cell = {"policy": policy, "xla": xla_on, "optimizer": name}
                 cell.update({f"{t}_ms": statistics.median(v) for t, v in times.items()})
-                cell["speedup"] = cell["keras_ms"] / cell["tfmp_ms"]
+                cell["speedup"] = statistics.median(ratios)
+                cell["speedup_rounds"] = ratios
                 cells.append(cell)
                 say(
                     f"loop cost, {policy}, XLA {'on' if xla_on else 'off'}, {name}: tfmp.fit {cell['tfmp_ms']:.2f} ms, "
-                    f"Keras fit {cell['keras_ms']:.2f} ms per step ({cell['speedup']:.2f}x)"
+                    f"Keras fit {cell['keras_ms']:.2f} ms per step ({cell['speedup']:.2f}x; rounds "
+                    + ", ".join(f"{r:.2f}" for r in ratios)
+                    + ")"
                 )
     geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cells))
     return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean}

@@ -218,8 +218,9 @@ def markdown(result):
 def loop_cost_table(costs):
     """The loop-cost cells as Markdown: ms per step in each loop and tfmp's speed over Keras'."""
     out = [
-        f"| loop cost per step ({costs['layers']}-layer MLP, {costs['variables']} variables, batch 32, median of "
-        f"{costs['rounds']} alternating rounds) | XLA | optimizer | Keras fit | tfmp.fit | tfmp / Keras (speed) |",
+        f"| loop cost per step ({costs['layers']}-layer MLP, {costs['variables']} variables, batch 32, "
+        f"{costs['rounds']} lockstep rounds; speed: the median per-round ratio) | XLA | optimizer | Keras fit "
+        "| tfmp.fit | tfmp / Keras (speed) |",
         "|---|---|---|---|---|---|",
     ]
     for c in costs["cells"]:
