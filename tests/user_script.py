@@ -3,7 +3,8 @@
     python tests/user_script.py OUT.npz [CHECKPOINT_DIR|-] [SECONDS_PER_BATCH] [DROPOUT] [BATCH]
 
 USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and also saves
-the float8 state (scales, amax histories) to OUT.float8.npz.
+the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores its weights and
+optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
 
 OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
 all get the same arguments (python -m tfmp.launch).
@@ -95,6 +96,6 @@ if __name__ == "__main__":
     except tfmp.PeerLost as e:  # Another worker died: rerun the job to resume.
         print(f"lost a peer: {e}", file=sys.stderr)
         sys.exit(76)
-    np.savez(out, *[w.numpy() for w in model.weights])
+    np.savez(out, *[np.asarray(w.numpy(), np.float32) if w.dtype == "bfloat16" else w.numpy() for w in model.weights])
     if policy == "float8":
         np.savez(out + ".float8.npz", *[np.asarray(v.value) for v in model.weights if tfmp.float8.is_state(v)])

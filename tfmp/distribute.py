@@ -125,6 +125,7 @@ def get_strategy(name="auto", tpu=None):
                 "--strategy=multi_worker needs TF_CONFIG naming the cluster and this "
                 "worker's task; see BUILD.md 'Several machines'"
             )
+        keras_compat.broadcast_bfloat16_initial_values()  # bfloat16 weights, however the policy was set.
         return tf.distribute.MultiWorkerMirroredStrategy()
     return _tpu_strategy(tpu)
 

@@ -364,6 +364,40 @@ def replica_local_updates(variables, strategy=None):
                 del extended._use_merge_call  # Back to the class's.
 
 
+def broadcast_bfloat16_initial_values():
+    """Lets MultiWorkerMirroredStrategy make bfloat16 variables (weights, slots, Kahan
+    buffers: `tfmp.bf16`); once per process, every strategy of that class at once.
+
+    The strategy sends each new variable's initial value from the chief to the other
+    workers by a collective broadcast, and TensorFlow's `CollectiveBcastSend` takes no
+    bfloat16 (bool, float, half, double, int32, int64 only): building a bfloat16 model under
+    it fails. A bfloat16 value crosses as float32 here (exact both ways) and is cast back;
+    every other variable is made as before."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car  # noqa: PLC0415 - private, here only.
+
+    extended = car.CollectiveAllReduceExtended
+    original = getattr(extended, "_get_variable_creator_initial_value", None)
+    if original is None or getattr(original, "tfmp_bfloat16", False):
+        return
+
+    def initial_value(self, replica_id, device, primary_var, **kwargs):
+        dtype = kwargs.get("dtype")
+        if replica_id != 0 or dtype is None or tf.as_dtype(dtype) != tf.bfloat16:
+            return original(self, replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)
+        value = kwargs["initial_value"]
+
+        def as_float32():
+            given = value() if callable(value) else value
+            return tf.cast(getattr(given, "wrapped_value", given), tf.float32)  # A checkpoint's initial value too.
+
+        kwargs.update(initial_value=as_float32, dtype=tf.float32)
+        sent = original(self, replica_id=0, device=device, primary_var=None, **kwargs)
+        return lambda: tf.cast(sent() if callable(sent) else sent, tf.bfloat16)
+
+    initial_value.tfmp_bfloat16 = True
+    extended._get_variable_creator_initial_value = initial_value  # noqa: SLF001
+
+
 def op_determinism():
     """Whether `tf.config.experimental.enable_op_determinism()` is on (TensorFlow has no
     public getter)."""
