@@ -5,6 +5,7 @@
 USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and also saves
 the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores its weights and
 optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
+USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
 
 OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
 all get the same arguments (python -m tfmp.launch).
@@ -85,6 +86,7 @@ if __name__ == "__main__":
             epochs=3,
             grad_accum_steps=2,
             clipnorm=1.0,
+            jit_compile={"1": True, "0": False}.get(os.environ.get("USER_SCRIPT_JIT_COMPILE"), "auto"),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=4,
             callbacks=[Slow(seconds)],
