@@ -20,6 +20,7 @@ from tfmp.errors import first_line
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
+SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"  # TensorFlow's executor for small graphs, one op after another.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
@@ -130,6 +131,13 @@ class Steps:
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
+        # Under XLA on one CPU, the call around the update holds only the iterator's reads
+        # and the XLA computation: nothing for the default executor's threads to run side
+        # by side, and their hand-offs cost 4-7% of a small model's step (DECISIONS.md).
+        # Not without XLA (Keras' element-wise optimizers run their ops side by side, and
+        # the executor takes no control flow), nor on GPUs or TPUs (not measured there).
+        self._lean = self.jit_compile and one and not tf.config.list_logical_devices("GPU")
+        self._lean = self._lean and distribute.strategy_name(self.strategy) != "tpu"
         self._many = tf.function(self._updates)
         self._concrete = {}  # (updates > 1, iterator id) -> (iterator, its traced step): called directly.
         self._test = tf.function(self._test_step, reduce_retracing=True)
@@ -186,7 +194,22 @@ class Steps:
             # The iterator is kept with it, so that its id names no other while kept.
             self._concrete[key] = iterator, fn.get_concrete_function(iterator)
             return out
+        if self._lean and updates == 1:  # (Several updates loop outside XLA.)
+            return self._call_lean(kept[1], iterator)
         return kept[1](iterator)
+
+    def _call_lean(self, fn, iterator):
+        """`fn(iterator)` on TensorFlow's single-threaded executor; where that executor
+        refuses the graph (before running anything), on the default one from then on."""
+        try:
+            with tf.experimental.function_executor_type(SINGLE_THREADED):
+                return fn(iterator)
+        except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
+            if "ingle-threaded executor" not in str(e):
+                raise
+            logging.info("the single-threaded executor cannot run this step (%s)", first_line(e)[:200])
+            self._lean = False
+            return fn(iterator)
 
     def read(self, packed):
         """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""
