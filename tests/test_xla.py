@@ -89,12 +89,16 @@ def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirr
         np.testing.assert_allclose(a, b, atol=2e-3)  # float16 compute, fused differently by XLA.
 
 
+def _tiny_steps():
+    keras.utils.set_random_seed(0)
+    model, _ = tiny.build(tf.distribute.get_strategy())
+    return model, loop.prepare(model, tf.distribute.get_strategy(), tiny.dataset(32).train.element_spec)
+
+
 def _train_tiny(jit_compile, lean, steps_count=10):
     """tiny's weights after `steps_count` updates, each called on TensorFlow's
     single-threaded executor (`lean`) or on the default one."""
-    keras.utils.set_random_seed(0)
-    model, _ = tiny.build(tf.distribute.get_strategy())
-    compiled = loop.prepare(model, tf.distribute.get_strategy(), tiny.dataset(32).train.element_spec)
+    model, compiled = _tiny_steps()
     compiled.compile(jit_compile)
     compiled._lean = lean  # noqa: SLF001
     iterator = iter(tiny.dataset(32).train.repeat())
@@ -106,9 +110,7 @@ def _train_tiny(jit_compile, lean, steps_count=10):
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_same_bits(policy):
     keras.config.set_dtype_policy(policy)
-    keras.utils.set_random_seed(0)
-    model, _ = tiny.build(tf.distribute.get_strategy())
-    chosen = loop.prepare(model, tf.distribute.get_strategy(), tiny.dataset(32).train.element_spec)
+    _, chosen = _tiny_steps()
     chosen.compile(True)
     assert chosen._lean is not bool(tf.config.list_logical_devices("GPU"))  # noqa: SLF001
     chosen.compile(False)

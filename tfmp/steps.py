@@ -124,23 +124,23 @@ class Steps:
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
         one = self.strategy.num_replicas_in_sync == 1
+        tpu = distribute.strategy_name(self.strategy) == "tpu"
         # TPUs compile the whole replica function anyway: there the stages stay plain.
-        self._split = not one and distribute.strategy_name(self.strategy) != "tpu"
+        self._split = not one and not tpu
         self._step = jit(self._packed_update) if one else self._packed_update
         self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
+        self._many = tf.function(self._updates)
+        self._concrete = {}  # (updates > 1, iterator id) -> (iterator, its traced step): called directly.
+        self._test = tf.function(self._test_step, reduce_retracing=True)
         # Under XLA on one CPU, the call around the update holds only the iterator's reads
         # and the XLA computation: nothing for the default executor's threads to run side
         # by side, and their hand-offs cost 4-7% of a small model's step (DECISIONS.md).
         # Not without XLA (Keras' element-wise optimizers run their ops side by side, and
         # the executor takes no control flow), nor on GPUs or TPUs (not measured there).
-        self._lean = self.jit_compile and one and not tf.config.list_logical_devices("GPU")
-        self._lean = self._lean and distribute.strategy_name(self.strategy) != "tpu"
-        self._many = tf.function(self._updates)
-        self._concrete = {}  # (updates > 1, iterator id) -> (iterator, its traced step): called directly.
-        self._test = tf.function(self._test_step, reduce_retracing=True)
+        self._lean = self.jit_compile and one and not tpu and not tf.config.list_logical_devices("GPU")
 
     def _fall_back(self, error):
         logging.warning("XLA cannot compile this model (%s); training without XLA", first_line(error)[:300])
@@ -205,7 +205,7 @@ class Steps:
             with tf.experimental.function_executor_type(SINGLE_THREADED):
                 return fn(iterator)
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
-            if "ingle-threaded executor" not in str(e):
+            if "single-threaded executor" not in str(e).lower():
                 raise
             logging.info("the single-threaded executor cannot run this step (%s)", first_line(e)[:200])
             self._lean = False
