@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, distribute, float8, fused, gradients, keras_compat
+from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat
 from tfmp.errors import first_line
 
 # What `Steps.train` returns besides the model's metric results.
@@ -133,7 +133,7 @@ class Steps:
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
         self._one = tf.function(self._single)
         self._many = tf.function(self._updates)
-        self._concrete = {}  # (updates > 1, iterator id) -> (iterator, its traced step): called directly.
+        self._concrete = {}  # (updates > 1, iterator id) -> its traced step (`calls.Direct`).
         self._test = tf.function(self._test_step, reduce_retracing=True)
         # Under XLA on one CPU, the call around the update holds only the iterator's reads
         # and the XLA computation: nothing for the default executor's threads to run side
@@ -179,8 +179,9 @@ class Steps:
         what they will return packed into one tensor (see `read`): nothing here waits for
         the device.
 
-        The traced step is called directly (its concrete function, kept per iterator):
-        `tf.function`'s dispatch would hash every argument and capture again each step.
+        The traced step is called directly (its concrete function, kept per iterator,
+        its inputs flattened once: `tfmp.calls`): `tf.function`'s dispatch would hash
+        every argument and flatten it and every capture again each step.
         """
         key = (updates > 1, id(iterator))
         kept = self._concrete.get(key)
@@ -191,25 +192,24 @@ class Steps:
                 return self.dispatch(iterator, updates)
             if len(self._concrete) > 8:  # Iterators of epochs gone.
                 self._concrete.clear()
-            # The iterator is kept with it, so that its id names no other while kept.
-            self._concrete[key] = iterator, fn.get_concrete_function(iterator)
+            self._concrete[key] = calls.Direct(fn.get_concrete_function(iterator), iterator)
             return out
         if self._lean and updates == 1:  # (Several updates loop outside XLA.)
-            return self._call_lean(kept[1], iterator)
-        return kept[1](iterator)
+            return self._call_lean(kept)
+        return kept()
 
-    def _call_lean(self, fn, iterator):
-        """`fn(iterator)` on TensorFlow's single-threaded executor; where that executor
-        refuses the graph (before running anything), on the default one from then on."""
+    def _call_lean(self, call):
+        """`call()` on TensorFlow's single-threaded executor; where that executor refuses
+        the graph (before running anything), on the default one from then on."""
         try:
             with tf.experimental.function_executor_type(SINGLE_THREADED):
-                return fn(iterator)
+                return call()
         except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
             if "single-threaded executor" not in str(e).lower():
                 raise
             logging.info("the single-threaded executor cannot run this step (%s)", first_line(e)[:200])
             self._lean = False
-            return fn(iterator)
+            return call()
 
     def read(self, packed):
         """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""

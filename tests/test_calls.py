@@ -1,0 +1,59 @@
+"""tfmp.fit's step called with its inputs flattened once (`tfmp.calls.Direct`): taken on one
+device and under a strategy, with XLA and without, to the same bits as the ordinary call."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tiny
+
+from tfmp import calls, loop
+
+
+def _train(strategy, jit_compile, steps_count=6):
+    """tiny's weights after `steps_count` updates under mixed_float16 (loss scaling, its
+    cond and its variables too), and whether the kept calls were direct."""
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    model, _ = tiny.build(strategy)
+    ds = tiny.dataset(32).train.repeat()
+    compiled = loop.prepare(model, strategy, ds.element_spec)
+    compiled.compile(jit_compile)
+    if strategy.num_replicas_in_sync > 1:
+        ds = strategy.experimental_distribute_dataset(ds)
+    iterator = iter(ds)
+    for _ in range(steps_count):
+        compiled.read(compiled.dispatch(iterator))
+    kept = [call.direct for call in compiled._concrete.values()]  # noqa: SLF001
+    return [w.numpy() for w in model.weights], kept
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_step_called_directly_trains_to_the_same_bits(replicas, jit_compile, mirrored, monkeypatch):
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    direct, kept = _train(strategy, jit_compile)
+    assert kept == [True]
+    monkeypatch.setattr(calls, "_flat_inputs", lambda *_: None)
+    ordinary, kept = _train(strategy, jit_compile)
+    assert kept == [False]
+    for a, b in zip(direct, ordinary, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_call_a_gradient_tape_may_record_goes_through_tf_function():
+    scale = tf.Variable(3.0)
+    step = tf.function(lambda iterator: tf.stop_gradient(next(iterator)) * scale)
+    iterator = iter(tf.data.Dataset.range(10).map(lambda i: tf.cast(i, tf.float32)))
+    call = calls.Direct(step.get_concrete_function(iterator), iterator)
+    assert call.direct
+    ordinary = []
+    concrete = call.concrete
+    call.concrete = lambda it: ordinary.append(it) or concrete(it)
+    assert float(call()) == 0.0
+    with tf.GradientTape() as tape:
+        value = call()
+    assert float(value) == 3.0 and ordinary == [iterator]
+    assert float(tape.gradient(value, scale)) == 1.0  # The tape saw the variable's read.
+    assert float(call()) == 6.0 and len(ordinary) == 1
