@@ -195,7 +195,7 @@ def test_a_resumed_run_keeps_the_choice_autotune_made_at_its_start(monkeypatch, 
 
 
 def test_auto_turns_xla_on_for_float16_compute_on_any_device(monkeypatch):
-    """On CPUs too: the loop-cost table measured XLA 2.8-4.9x faster under mixed_float16."""
+    """On CPUs too: the loop-cost tables measured XLA 2.3-5.8x faster under mixed_float16 on an Intel Xeon."""
     monkeypatch.setattr(xla, "measure", lambda *_: pytest.fail("auto timed the step"))
     keras.config.set_dtype_policy("mixed_float16")
     history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0)

@@ -183,14 +183,15 @@ def _rule(steps, jit_compile):
     layers compute in float16 (TPUs compile with XLA before this).
 
     On CPUs, measured with the whole update in one XLA computation (BENCHMARKS.md, the
-    loop-cost table; Intel Xeon with AMX): XLA made tfmp's step 2.8-4.9x faster under
-    mixed_float16 (TensorFlow's own float16 CPU kernels are slow; the bundled models'
-    autotune picked XLA there too), 1.2x under mixed_bfloat16 but not on the bundled models,
-    and 5-37% slower in float32."""
+    loop-cost tables): under mixed_float16 XLA made tfmp's step 2.3-5.8x faster on an
+    Intel Xeon with AMX (TensorFlow's own float16 CPU kernels are slow there; the bundled
+    models' autotune picked XLA too), 0.85-1.07x on an AMD EPYC Zen 4, whose float16
+    matmuls are fast; 1.2x under mixed_bfloat16 but not on the bundled models; and 5-37%
+    slower in float32. `jit_compile="autotune"` times it on the machine at hand."""
     if tf.config.list_physical_devices("GPU"):
         use, hardware = True, "GPUs: on"
     elif steps.scaled:  # Loss scaling is on exactly where layers compute in float16.
-        use, hardware = True, "CPUs: on for float16 compute (2.8-4.9x faster than without XLA)"
+        use, hardware = True, "CPUs: on for float16 compute (2.3-5.8x faster than without XLA on an Intel Xeon)"
     else:
         use, hardware = False, "CPUs: off"
     if jit_compile == "auto":
