@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from absl import flags
 from conftest import GPUS, REPO
 
@@ -27,6 +28,7 @@ def _report(tmp_path, *flags, timeout=600):
     )
 
 
+@pytest.mark.slow  # Every part of the report, in a process of its own: two minutes on 2 cores.
 def test_smoke_runs_every_part_and_writes_the_report(tmp_path):
     started = time.monotonic()
     result = _report(tmp_path, "--part=all")
