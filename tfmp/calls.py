@@ -5,8 +5,8 @@ flattens its captured inputs again (300 variable handles for a 300-variable mode
 call. For one iterator none of that changes: `Direct` does it once, then hands the same
 flat inputs to the traced function each step (deferred captures, which a strategy's
 variables may have, are still read at each call, as TensorFlow reads them). On a
-300-variable model's step (an Intel Xeon with AMX, 2 cores) that saves 0.27 ms of 2.6-4.3
-ms a call, with XLA and without (DECISIONS.md).
+300-variable model's step of 2.5-7 ms (an Intel Xeon with AMX, 2 cores) that saves
+0.25-0.6 ms a call, with XLA and without (DECISIONS.md).
 
 The flattening goes through TensorFlow's own functions (present from TensorFlow 2.18 on).
 Where they are missing or a gradient tape could record the call, `Direct` calls the
