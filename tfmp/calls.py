@@ -1,4 +1,5 @@
-"""A traced step called for one iterator without `tf.function`'s work per call.
+"""A traced step called for one iterator without `tf.function`'s work per call, and, where
+`Steps` chooses it, on TensorFlow's single-threaded executor (`single_threaded`).
 
 Calling a concrete function binds its arguments to its signature, flattens them, and
 flattens its captured inputs again (300 variable handles for a 300-variable model), every
@@ -16,11 +17,15 @@ concrete function as usual; the bits are the same either way.
 import tensorflow as tf
 from absl import logging
 
+from tfmp.errors import first_line
+
 try:  # Private: how a concrete function flattens its arguments; absent, the ordinary call.
     from tensorflow.python.eager import record
     from tensorflow.python.eager.polymorphic_function import function_type_utils
 except ImportError:  # pragma: no cover - a TensorFlow that moved them.
     record = function_type_utils = None
+
+SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"  # TensorFlow's executor for small graphs, one op after another.
 
 
 def _flatten(value):
@@ -82,3 +87,16 @@ class Direct:
             return self.concrete(self.iterator)
         inputs = self._gather(self._arguments) if self._deferred else self._inputs
         return self._inference.call_preflattened(inputs)
+
+
+def single_threaded(call):
+    """(`call()` on TensorFlow's single-threaded executor, True); where that executor
+    refuses the graph (before running anything), (`call()` on the default one, False)."""
+    try:
+        with tf.experimental.function_executor_type(SINGLE_THREADED):
+            return call(), True
+    except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
+        if "single-threaded executor" not in str(e).lower():
+            raise
+        logging.info("the single-threaded executor cannot run this step (%s)", first_line(e)[:200])
+        return call(), False

@@ -20,7 +20,6 @@ from tfmp.errors import first_line
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
-SINGLE_THREADED = "SINGLE_THREADED_EXECUTOR"  # TensorFlow's executor for small graphs, one op after another.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
@@ -195,21 +194,9 @@ class Steps:
             self._concrete[key] = calls.Direct(fn.get_concrete_function(iterator), iterator)
             return out
         if self._lean and updates == 1:  # (Several updates loop outside XLA.)
-            return self._call_lean(kept)
+            out, self._lean = calls.single_threaded(kept)  # Refused once, not tried again.
+            return out
         return kept()
-
-    def _call_lean(self, call):
-        """`call()` on TensorFlow's single-threaded executor; where that executor refuses
-        the graph (before running anything), on the default one from then on."""
-        try:
-            with tf.experimental.function_executor_type(SINGLE_THREADED):
-                return call()
-        except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
-            if "single-threaded executor" not in str(e).lower():
-                raise
-            logging.info("the single-threaded executor cannot run this step (%s)", first_line(e)[:200])
-            self._lean = False
-            return call()
 
     def read(self, packed):
         """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""
