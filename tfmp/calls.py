@@ -33,9 +33,9 @@ def _flatten(value):
 
 
 def _flat_inputs(concrete, iterator):
-    """What `concrete(iterator)` passes to its traced function, as (the iterator's
-    tensors, the captures: each flattened, or a callable to read at each call), or None
-    where TensorFlow's own functions for it are missing."""
+    """What `concrete(iterator)` passes to its traced function, as (that function, the
+    iterator's tensors, the captures: each flattened, or a callable to read at each call),
+    or None where TensorFlow's own functions for it are missing."""
     inference = getattr(concrete, "_inference_function", None)
     captures = getattr(concrete, "_captured_inputs", None)
     if function_type_utils is None or captures is None or not hasattr(inference, "call_preflattened"):
@@ -46,7 +46,7 @@ def _flat_inputs(concrete, iterator):
     except (TypeError, ValueError, AttributeError) as e:
         logging.info("the step is called through tf.function (%s)", e)
         return None
-    return arguments, [capture if callable(capture) else _flatten(capture) for capture in captures]
+    return inference, arguments, [capture if callable(capture) else _flatten(capture) for capture in captures]
 
 
 class Direct:
@@ -64,12 +64,11 @@ class Direct:
         self._inputs = self._inference = None
         if flat is None:
             return
-        arguments, self._captures = flat
+        inference, arguments, self._captures = flat
         self._deferred = any(callable(part) for part in self._captures)
         inputs = self._gather(arguments)
-        if len(inputs) == len(concrete._inference_function.cached_definition.signature.input_arg):  # noqa: SLF001
-            self._arguments, self._inputs = arguments, inputs
-            self._inference = concrete._inference_function  # noqa: SLF001
+        if len(inputs) == len(inference.cached_definition.signature.input_arg):
+            self._arguments, self._inputs, self._inference = arguments, inputs, inference
 
     def _gather(self, arguments):
         inputs = list(arguments)
