@@ -1,30 +1,18 @@
 """tfmp.fit's step called with its inputs flattened once (`tfmp.calls.Direct`): taken on one
 device and under a strategy, with XLA and without, to the same bits as the ordinary call."""
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
 
-from tfmp import calls, loop
+from tfmp import calls
 
 
-def _train(strategy, jit_compile, steps_count=6):
-    """tiny's weights after `steps_count` updates under mixed_float16 (loss scaling, its
-    cond and its variables too), and whether the kept calls were direct."""
-    keras.backend.clear_session()
-    keras.config.set_dtype_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    model, _ = tiny.build(strategy)
-    ds = tiny.dataset(32).train.repeat()
-    compiled = loop.prepare(model, strategy, ds.element_spec)
-    compiled.compile(jit_compile)
-    if strategy.num_replicas_in_sync > 1:
-        ds = strategy.experimental_distribute_dataset(ds)
-    iterator = iter(ds)
-    for _ in range(steps_count):
-        compiled.read(compiled.dispatch(iterator))
+def _train(strategy, jit_compile):
+    """tiny's weights after 6 updates under mixed_float16 (loss scaling, its cond and its
+    variables too), and whether the kept calls were direct."""
+    model, compiled = tiny.steps_after(strategy, jit_compile, 6, "mixed_float16")
     kept = [call.direct for call in compiled._concrete.values()]  # noqa: SLF001
     return [w.numpy() for w in model.weights], kept
 

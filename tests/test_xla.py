@@ -89,35 +89,27 @@ def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirr
         np.testing.assert_allclose(a, b, atol=2e-3)  # float16 compute, fused differently by XLA.
 
 
-def _tiny_steps():
-    keras.utils.set_random_seed(0)
-    model, _ = tiny.build(tf.distribute.get_strategy())
-    return model, loop.prepare(model, tf.distribute.get_strategy(), tiny.dataset(32).train.element_spec)
+def _train_tiny(policy, jit_compile, lean, steps_count=10):
+    """tiny's weights after `steps_count` updates under `policy`, each called on
+    TensorFlow's single-threaded executor (`lean`) or on the default one; and whether it
+    still is."""
 
+    def choose(compiled):
+        compiled._lean = lean  # noqa: SLF001
 
-def _train_tiny(jit_compile, lean, steps_count=10):
-    """tiny's weights after `steps_count` updates, each called on TensorFlow's
-    single-threaded executor (`lean`) or on the default one."""
-    model, compiled = _tiny_steps()
-    compiled.compile(jit_compile)
-    compiled._lean = lean  # noqa: SLF001
-    iterator = iter(tiny.dataset(32).train.repeat())
-    for _ in range(steps_count):
-        compiled.read(compiled.dispatch(iterator))
+    model, compiled = tiny.steps_after(tf.distribute.get_strategy(), jit_compile, steps_count, policy, choose)
     return [w.numpy() for w in model.weights], compiled._lean  # noqa: SLF001
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_same_bits(policy):
-    keras.config.set_dtype_policy(policy)
-    _, chosen = _tiny_steps()
+    _, chosen = tiny.steps_after(tf.distribute.get_strategy(), False, 0, policy)
     chosen.compile(True)
     assert chosen._lean is not bool(tf.config.list_logical_devices("GPU"))  # noqa: SLF001
     chosen.compile(False)
     assert not chosen._lean  # noqa: SLF001
-    keras.backend.clear_session()
-    default, _ = _train_tiny(True, lean=False)
-    lean, kept = _train_tiny(True, lean=True)
+    default, _ = _train_tiny(policy, True, lean=False)
+    lean, kept = _train_tiny(policy, True, lean=True)
     assert kept
     for a, b in zip(default, lean, strict=True):
         np.testing.assert_array_equal(a, b)
@@ -125,9 +117,8 @@ def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_sam
 
 def test_a_step_the_single_threaded_executor_refuses_runs_on_the_default_one():
     # Without XLA, loss scaling's cond becomes a Switch, which that executor does not take.
-    keras.config.set_dtype_policy("mixed_float16")
-    default, _ = _train_tiny(False, lean=False)
-    fallen_back, kept = _train_tiny(False, lean=True)
+    default, _ = _train_tiny("mixed_float16", False, lean=False)
+    fallen_back, kept = _train_tiny("mixed_float16", False, lean=True)
     assert not kept
     for a, b in zip(default, fallen_back, strict=True):
         np.testing.assert_array_equal(a, b)

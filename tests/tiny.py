@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfmp  # noqa: E402
-from tfmp import data, loss_scale  # noqa: E402
+from tfmp import data, loop, loss_scale  # noqa: E402
 
 
 class InjectOverflow(keras.layers.Layer):
@@ -62,6 +62,27 @@ def dataset(global_batch):
         drop_remainder=True,
         deterministic=True,
     )
+
+
+def steps_after(strategy, jit_compile, steps_count, policy="float32", configure=None):
+    """(the model, its `Steps`) after `steps_count` updates of 32 examples, each dispatched
+    and read alone, in a fresh Keras session under `policy` (set after clearing the session,
+    which resets it); `configure(steps)` runs after compiling, before the first update."""
+    keras.backend.clear_session()
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model, _ = build(strategy)
+    ds = dataset(32).train.repeat()
+    compiled = loop.prepare(model, strategy, ds.element_spec)
+    compiled.compile(jit_compile)
+    if configure is not None:
+        configure(compiled)
+    if strategy.num_replicas_in_sync > 1:
+        ds = strategy.experimental_distribute_dataset(ds)
+    iterator = iter(ds)
+    for _ in range(steps_count):
+        compiled.read(compiled.dispatch(iterator))
+    return model, compiled
 
 
 def train(strategy, init, steps, global_batch, grad_accum_steps=1, clipnorm=None):
