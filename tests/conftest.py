@@ -65,6 +65,19 @@ def _short_trials(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _op_determinism_as_found():
+    """A test that turns TensorFlow's op determinism on (`deterministic=True` runs) leaves it
+    off for the next: it is process-wide, and under it XLA refuses some gradients (TF 2.18:
+    MaxPool's), so a later test in the same pytest-xdist worker would train without XLA."""
+    from tensorflow.python.framework import config as tf_config
+
+    was = tf_config.is_op_determinism_enabled()
+    yield
+    if not was and tf_config.is_op_determinism_enabled():
+        tf_config.disable_op_determinism()
+
+
+@pytest.fixture(autouse=True)
 def _reset_policy():
     """Every test starts and ends under float32 with fresh Keras state."""
     keras.config.set_dtype_policy("float32")

@@ -80,7 +80,7 @@ def test_unknown_precision_lists_autotune():
 
 
 def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_directory(tmp_path, monkeypatch, caplog):
-    from tfmp import keras_compat, precision, xla
+    from tfmp import precision, xla
 
     monkeypatch.setattr(precision, "detect_hardware", lambda: precision.Hardware(cpu_flags=("amx_bf16",)))
     monkeypatch.setitem(models.MODELS, "tiny", dense_model())
@@ -89,7 +89,6 @@ def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_direc
     monkeypatch.setattr(training.autotune, "Candidate", FakeCandidate)
     monkeypatch.setattr(xla, "measure", lambda *_: {xla.OFF: [100.0] * 5, xla.ON: [140.0, 139.0, 141.0, 140.0, 140.0]})
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)
     config = training.Config(
         model="tiny",
         dataset="synthetic",

@@ -147,7 +147,6 @@ def test_autotune_follows_the_measurement(monkeypatch, capsys):
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(verdicts))
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)  # Another test may have turned it on.
     data = regression_data()
     faster = tfmp.fit(tiny_regression(), data, epochs=1, verbose=2, jit_compile="autotune")
     printed = capsys.readouterr().out  # The timing's cost is said before it runs, then the choice.
@@ -166,7 +165,6 @@ def test_a_resumed_run_keeps_the_choice_autotune_made_at_its_start(monkeypatch, 
     )
     monkeypatch.setattr(xla, "measure", lambda *_: next(timings))
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(keras_compat, "op_determinism", lambda: False)
     run = {"checkpoint_dir": str(tmp_path), "verbose": 0, "jit_compile": "autotune"}
     first = tfmp.fit(tiny_regression(), regression_data(), epochs=1, **run)
     monkeypatch.setattr(xla, "_VERDICTS", {})
