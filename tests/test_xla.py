@@ -60,6 +60,20 @@ def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
     assert int(model.optimizer.iterations.numpy()) >= 7  # The failed first step's batch alone is lost.
 
 
+def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
+    """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
+    XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""
+    monkeypatch.setattr(xla, "probe", lambda *_: "no deterministic kernel" if keras_compat.op_determinism() else None)
+    monkeypatch.setattr(xla, "_PROBES", {})
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    refused = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
+    from tensorflow.python.framework import config as tf_config
+
+    tf_config.disable_op_determinism()
+    compiled = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
+    assert refused.params["jit_compile"] is False and compiled.params["jit_compile"] is True
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirrored, replicas):
     keras.config.set_dtype_policy("mixed_float16")

@@ -201,7 +201,8 @@ def _rule(steps, jit_compile):
 
 
 def _fingerprint(steps, batches):
-    """What a verdict depends on: the model's layers and weights, the batch, the setup."""
+    """What a verdict depends on: the model's layers and weights, the batch, the setup
+    (op determinism included: XLA has no deterministic kernel for some gradients)."""
     model = steps.model
     return (
         type(model).__name__,
@@ -211,6 +212,7 @@ def _fingerprint(steps, batches):
         distribute.strategy_name(steps.strategy),
         steps.strategy.num_replicas_in_sync,
         type(steps.optimizer).__name__,
+        keras_compat.op_determinism(),
     )
 
 
