@@ -78,6 +78,10 @@ def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkey
 def test_xla_trains_like_no_xla_with_loss_scaling_accumulation_and_clipping(mirrored, replicas):
     keras.config.set_dtype_policy("mixed_float16")
     strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    # A seeded start, not whatever the tests before left in the generator: from some starts a
+    # unit whose gradient is at float16's rounding level gets Adam updates of opposite sign
+    # from the two fusions (0.006 apart after 4 updates), however correct both loops are.
+    keras.utils.set_random_seed(0)
     init = [w.numpy() for w in tiny.build(strategy)[0].weights]
     results = {}
     for jit in (False, True):
