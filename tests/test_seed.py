@@ -1,3 +1,4 @@
+import logging
 import random
 
 import keras
@@ -29,10 +30,15 @@ def test_same_seed_same_numbers_everywhere():
     assert not np.array_equal(a[3], c[3])
 
 
-def test_deterministic_turns_on_op_determinism():
+def test_deterministic_turns_on_op_determinism_and_the_log_says_what_holds(caplog):
     assert not tf_config.is_op_determinism_enabled()
-    set_seed(1, deterministic=True)  # conftest turns it off again after the test.
+    with caplog.at_level(logging.INFO, logger="absl"):
+        set_seed(1)
+        set_seed(1, deterministic=True)  # conftest turns it off again after the test.
+        set_seed(2)  # Process-wide: a later run without the flag still has it.
     assert tf_config.is_op_determinism_enabled()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Seed")]
+    assert said == ["Seed 1 (op determinism off)", "Seed 1 (op determinism on)", "Seed 2 (op determinism on)"]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5])

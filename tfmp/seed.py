@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
+from tfmp import keras_compat
 from tfmp.errors import UsageError
 
 
@@ -13,7 +14,9 @@ def set_seed(seed, deterministic=False):
     Args:
         seed: a non-negative integer.
         deterministic: also turn on TensorFlow op determinism (slower on GPU; same
-            results run to run on the same device setup).
+            results run to run on the same device setup). It is process-wide: False
+            leaves it as it is (on, if an earlier call in this process turned it on), and
+            the log line says which.
 
     Raises:
         UsageError: for a negative or non-integer seed.
@@ -23,4 +26,4 @@ def set_seed(seed, deterministic=False):
     keras.utils.set_random_seed(int(seed))  # python `random`, numpy and TensorFlow.
     if deterministic:
         tf.config.experimental.enable_op_determinism()
-    logging.info("Seed %d (op determinism %s)", seed, "on" if deterministic else "off")
+    logging.info("Seed %d (op determinism %s)", seed, "on" if keras_compat.op_determinism() else "off")
