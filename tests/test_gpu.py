@@ -31,6 +31,7 @@ def test_xla_compiles_tfmps_real_training_step():
     """jit_compile=True on the GPU: the step compiles (no fallback) and trains like no XLA."""
     keras.config.set_dtype_policy("mixed_float16")
     strategy = tf.distribute.get_strategy()
+    keras.utils.set_random_seed(0)  # A start of its own, not the generator earlier tests left.
     init = [w.numpy() for w in tiny.build(strategy)[0].weights]
     weights = {}
     for jit in (False, True):
@@ -47,6 +48,7 @@ def test_xla_compiles_tfmps_real_training_step():
 def test_no_merge_call_branch_trains_like_one_replica():
     """XLA under a MirroredStrategy over GPUs takes TensorFlow's no-merge-call branch."""
     gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    keras.utils.set_random_seed(0)  # A start of its own, not the generator earlier tests left.
     init = [w.numpy() for w in tiny.build(tf.distribute.get_strategy())[0].weights]
     out = []
     for strategy in (tf.distribute.get_strategy(), tf.distribute.MirroredStrategy(gpus[:1])):
