@@ -69,11 +69,13 @@ def _op_determinism_as_found():
     """A test that turns TensorFlow's op determinism on (`deterministic=True` runs) leaves it
     off for the next: it is process-wide, and under it XLA refuses some gradients (TF 2.18:
     MaxPool's), so a later test in the same pytest-xdist worker would train without XLA."""
-    from tensorflow.python.framework import config as tf_config
+    from tensorflow.python.framework import config as tf_config  # No public switch off.
 
-    was = tf_config.is_op_determinism_enabled()
+    from tfmp import keras_compat
+
+    was = keras_compat.op_determinism()
     yield
-    if not was and tf_config.is_op_determinism_enabled():
+    if not was:
         tf_config.disable_op_determinism()
 
 

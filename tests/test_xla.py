@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
+from tensorflow.python.framework import config as tf_config  # No public switch off.
 
 import tfmp
 from tfmp import keras_compat, loop, steps, xla
@@ -67,8 +68,6 @@ def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkey
     monkeypatch.setattr(xla, "_PROBES", {})
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
     refused = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
-    from tensorflow.python.framework import config as tf_config
-
     tf_config.disable_op_determinism()
     compiled = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
     assert refused.params["jit_compile"] is False and compiled.params["jit_compile"] is True
