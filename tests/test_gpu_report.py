@@ -89,6 +89,9 @@ def test_bad_flags_are_refused_naming_the_flag(tmp_path):
     assert result.returncode == 2 and "--part=12: choose 1, 2, 3, 4, 5, 6, 7, 8 or all" in result.stderr
     result = _report(tmp_path, "--part=1", "--pytorch=/no/such/python", timeout=120)
     assert result.returncode == 2 and "--pytorch=/no/such/python: not an executable Python" in result.stderr
+    result = _report(tmp_path, "--part=4", "--precisions=mixed_bfloat16,float8", timeout=120)
+    trains = "float32, mixed_float16, mixed_bfloat16, bfloat16"
+    assert result.returncode == 2 and f"--precisions=mixed_bfloat16,float8: --part=4 trains {trains}" in result.stderr
 
 
 def test_the_log_says_what_is_still_running_when_quiet(tmp_path):

@@ -1,6 +1,7 @@
 """One command for tfmp's GPU claims, in parts of at most 9 minutes each.
 
     python -m tfmp.bench.gpu_report --part=1 --output_dir=gpu_report   # then --part=2 ... 8
+    python -m tfmp.bench.gpu_report --part=4 --precisions=mixed_bfloat16   # one row of a part
     python -m tfmp.bench.gpu_report --part=all --smoke                  # the same code path on a CPU, tiny
 
 Parts (`PARTS`): 1-2 ResNet-50 (batch 128) with SGD with momentum, then Adam; 3-4
@@ -103,6 +104,11 @@ def define_flags():
     flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
+    flags.DEFINE_list(
+        "precisions",
+        [],
+        "Only these of a part's precisions (comma-separated; empty: all). The others are listed as not run.",
+    )
 
 
 class Log:
@@ -320,7 +326,9 @@ def run_part(number, log):
         )
     else:
         batch = 4 if FLAGS.smoke else realsize.BATCH_SIZES[part.model]
-        result["cells"] = _timed_cells(part, batch, log, began)
+        chosen = tuple(p for p in part.precisions if not FLAGS.precisions or p in FLAGS.precisions)
+        result["not_chosen"] = [p for p in part.precisions if p not in chosen]
+        result["cells"] = _timed_cells(dataclasses.replace(part, precisions=chosen), batch, log, began)
     result["seconds"] = time.perf_counter() - began
     files.write_json(os.path.join(FLAGS.output_dir, f"part{number}.json"), result)
     log(f"part {number} done in {result['seconds']:.0f} s")
@@ -343,6 +351,12 @@ def main(argv):
         sys.exit(2)
     if FLAGS.pytorch not in ("auto", "off") and not os.access(FLAGS.pytorch, os.X_OK):
         print(f"gpu_report: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
+        sys.exit(2)
+    trained = {p for n in wanted for p in PARTS[n].precisions}
+    if FLAGS.precisions and not set(FLAGS.precisions) <= trained:
+        trains = ", ".join(p for p in gpu_tables.ORDER if p in trained) or "no precisions (a probe, or PyTorch)"
+        chosen = ",".join(FLAGS.precisions)
+        print(f"gpu_report: error: --precisions={chosen}: --part={FLAGS.part} trains {trains}", file=sys.stderr)
         sys.exit(2)
     if FLAGS.smoke:
         FLAGS.warmup_steps, FLAGS.rounds, FLAGS.max_steps = min(FLAGS.warmup_steps, 3), min(FLAGS.rounds, 2), 3

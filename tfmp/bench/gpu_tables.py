@@ -68,14 +68,14 @@ def _gib(cell):
     return _number(cell.get("peak_memory_mb") and cell["peak_memory_mb"] / 1024, ".1f")
 
 
-_ORDER = ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16", "float8")
+ORDER = ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16", "float8")
 
 
 def _speed_table(cells):
     """Parts 1-4: each precision, tfmp.fit against Keras fit (and PyTorch AMP)."""
     keys = sorted(
         {(c["model"], c["optimizer"], c["precision"]) for c in cells if c["loop"] != "pytorch"},
-        key=lambda k: (k[0], k[1], _ORDER.index(k[2])),
+        key=lambda k: (k[0], k[1], ORDER.index(k[2])),
     )
     lines = [
         "| model | optimizer | precision | tfmp.fit ex/s | Keras fit ex/s | tfmp/Keras | vs float32 | "
@@ -112,7 +112,7 @@ def _float8_table(cells):
         "| model | precision | loop | ex/s | vs mixed_bfloat16 | tfmp/Keras | peak GiB | first step s | final loss |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in sorted(cells, key=lambda c: (c["model"], _ORDER.index(c["precision"]), c["loop"])):
+    for c in sorted(cells, key=lambda c: (c["model"], ORDER.index(c["precision"]), c["loop"])):
         lines.append(
             f"| {c['model']} | {c['precision']} | {LOOP_NAMES[c['loop']]} | {_number(c.get('examples_per_second'))} | "
             f"{_versus_bfloat16(cells, c)} | {_ratio(c, 'vs_keras')} | {_gib(c)} | "
@@ -240,6 +240,9 @@ def markdown(parts, all_parts):
         if "error" in c
     ]
     failed += [f"- PyTorch {why}" for p in parts for why in p.get("left_out", [])]
+    failed += [
+        f"- part {p['part']} {', '.join(p['not_chosen'])}: not run (--precisions)" for p in parts if p.get("not_chosen")
+    ]
     if failed:
         lines += ["## Not measured", "", *failed]
     return "\n".join(lines)
