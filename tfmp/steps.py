@@ -11,11 +11,10 @@ gradient is non-finite, without advancing `iterations` or the learning-rate sche
 import contextlib
 
 import keras
-import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat
+from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed
 from tfmp.errors import first_line
 
 # What `Steps.train` returns besides the model's metric results.
@@ -102,6 +101,7 @@ class Steps:
         # A bfloat16 weight's update (tfmp.bf16) reads its gradient whole, whatever the optimizer.
         dense_update = fused.keras_densifies(inner)
         self._dense = [not self.sparse or (alone and (dense_update or bfloat16)) for bfloat16 in self._bf16]
+        self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran = False
         self.compile(jit_compile)
 
@@ -198,35 +198,9 @@ class Steps:
             return out
         return kept()
 
-    def read(self, packed):
-        """The dict `train` returns, from what `dispatch` returned: one device-to-host copy."""
-        words = packed.numpy()
-        out, at = {}, 0
-        for key, kind, shape, size in self._layout:
-            part = words[at : at + size]
-            at += size
-            value = part.view(np.float32) if kind == "f" else part.view(np.int64) if kind == "i" else part.astype(bool)
-            out[key] = value.reshape(shape) if shape else value.reshape(())[()]
-        return out
-
-    def _pack_outputs(self, out):
-        """The step's outputs as one int32 vector (floats and int64s bit for bit), so that
-        the host reads them with one copy; `read` unpacks them by `_layout`, set here."""
-        layout, words = [], []
-        for key in sorted(out):
-            value = tf.convert_to_tensor(out[key])
-            shape = tuple(value.shape)
-            if value.dtype == tf.bool:
-                kind, word = "b", tf.cast(value, tf.int32)
-            elif value.dtype.is_integer:
-                kind, word = "i", tf.bitcast(tf.cast(value, tf.int64), tf.int32)
-            else:
-                kind, word = "f", tf.bitcast(tf.cast(value, tf.float32), tf.int32)
-            word = tf.reshape(word, [-1])
-            layout.append((key, kind, shape, int(word.shape[0])))
-            words.append(word)
-        self._layout = layout
-        return tf.concat(words, 0)
+    def read(self, vector):
+        """The dict `train` returns, from the vector `dispatch` returned: one device-to-host copy."""
+        return self._outputs.unpack(vector.numpy())
 
     def replica_gradients(self, batches):
         """Forward and backward passes over this replica's `batches`, gradients summed.
@@ -375,15 +349,15 @@ class Steps:
         if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
             grads, loss = self._gradients_stage(batches)
             return (loss, *self._apply_reduced(grads))
-        *packed, loss = self._compute(batches)
-        return (loss, *self._apply(*self._all_reduce(*packed)))
+        *crossing, loss = self._compute(batches)
+        return (loss, *self._apply(*self._all_reduce(*crossing)))
 
     def _update(self, batches):
         """One update from `batches`; returns its (loss, grad_norm, finite) per replica."""
         return self.strategy.run(self._replica_update, args=(batches,))
 
     def _packed_update(self, batches):
-        """One update from `batches`, and the step's outputs packed (`_pack_outputs`)."""
+        """One update from `batches`, and the step's outputs packed (`tfmp.packed`)."""
         loss, grad_norm, finite = self._update(batches)
         first = self.strategy.experimental_local_results
         out = {
@@ -413,7 +387,7 @@ class Steps:
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
         out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
-        return self._pack_outputs(out)
+        return self._outputs.pack(out)
 
     def update_graph(self, iterator):
         """The graph of one update from `iterator` (traced, not run; see `xla.ops_outside_xla`)."""

@@ -1,0 +1,42 @@
+"""A compiled step's outputs as one int32 vector, so that the host reads them with one copy."""
+
+import numpy as np
+import tensorflow as tf
+
+
+class Packed:
+    """Packs a dict of tensors into one int32 vector inside a compiled function (floats and
+    int64s bit for bit, booleans as 0 or 1) and unpacks that vector's value on the host, by
+    the layout recorded when the function traced."""
+
+    def __init__(self):
+        self.layout = []  # (key, kind, shape, words) per entry, in key order.
+
+    def pack(self, out):
+        """The int32 vector of `out`'s tensors (called while tracing)."""
+        layout, words = [], []
+        for key in sorted(out):
+            value = tf.convert_to_tensor(out[key])
+            shape = tuple(value.shape)
+            if value.dtype == tf.bool:
+                kind, word = "b", tf.cast(value, tf.int32)
+            elif value.dtype.is_integer:
+                kind, word = "i", tf.bitcast(tf.cast(value, tf.int64), tf.int32)
+            else:
+                kind, word = "f", tf.bitcast(tf.cast(value, tf.float32), tf.int32)
+            word = tf.reshape(word, [-1])
+            layout.append((key, kind, shape, int(word.shape[0])))
+            words.append(word)
+        self.layout = layout
+        return tf.concat(words, 0)
+
+    def unpack(self, words):
+        """The dict of numpy values (float32, int64, bool) that `words`, a packed vector's
+        numpy value, holds."""
+        out, at = {}, 0
+        for key, kind, shape, size in self.layout:
+            part = words[at : at + size]
+            at += size
+            value = part.view(np.float32) if kind == "f" else part.view(np.int64) if kind == "i" else part.astype(bool)
+            out[key] = value.reshape(shape) if shape else value.reshape(())[()]
+        return out
