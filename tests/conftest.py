@@ -178,6 +178,19 @@ def assert_same(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
+def train_process(*args, env=None):
+    """train.py as a process of its own, its output piped (where TensorFlow's start-up output
+    or a signal's delivery matter); returns the Popen."""
+    return subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "train.py"), *args],
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def free_ports(n):
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
