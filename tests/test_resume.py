@@ -2,14 +2,11 @@
 to exactly the weights of an unbroken run; corrupt and incompatible checkpoints."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from conftest import BFLOAT16_EMULATED, REPO
+from conftest import BFLOAT16_EMULATED, train_process
 
 pytestmark = pytest.mark.slow  # Several train.py / worker processes.
 
@@ -28,15 +25,7 @@ FLAGS = [
 
 
 def start(model_dir, *extra):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "train.py"), *FLAGS, f"--model_dir={model_dir}", *extra],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return train_process(*FLAGS, f"--model_dir={model_dir}", *extra, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 def finish(process, timeout=300):
