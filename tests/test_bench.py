@@ -10,6 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
+from tfmp import precision
 from tfmp.bench import micro, pool, pytorch, runs, tables
 
 
@@ -69,7 +70,9 @@ def test_bench_writes_figures(tmp_path):
         for o in ("SGD", "Adam")
     }
     assert all(c["tfmp_ms"] > 0 and c["keras_ms"] > 0 and len(c["speedup_rounds"]) == 1 for c in costs["cells"])
+    assert costs["device"] == precision.device_name() and costs["versions"].startswith("TensorFlow ")
     assert "| mixed_float16 | on | Adam |" in (tmp_path / "bench.md").read_text()
+    assert f"{costs['device']}, {costs['versions']}:" in (tmp_path / "bench.md").read_text()
     assert (tmp_path / "bench.png").stat().st_size > 5000
     assert "| cnn | float32 |" in (tmp_path / "bench.md").read_text()
     assert "tfmp/Keras" in result.stdout and "autotune picked" in result.stdout

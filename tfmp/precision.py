@@ -40,12 +40,22 @@ class Hardware:
 
 
 @functools.cache
-def _cpu_flags():
+def _cpuinfo(path="/proc/cpuinfo"):
+    """The first processor's fields in `path` ({} where it cannot be read: not Linux)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            words = set(f.read().split())
-    except OSError:  # Not Linux: no flags known, so no bfloat16 claim.
-        return ()
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    fields = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def _cpu_flags(path="/proc/cpuinfo"):
+    words = set(_cpuinfo(path).get("flags", "").split())  # Not Linux: none known, so no bfloat16 claim.
     return tuple(flag for flag in _CPU_BF16_FLAGS if flag in words)
 
 
@@ -377,15 +387,27 @@ def _warn_unmatched(patterns, paths, policy):
 
 
 def device_name():
-    """The accelerator's name, or the CPU's model name."""
+    """The accelerator's name, or the CPU's (`cpu_name`)."""
     hardware = detect_hardware()
     if hardware.gpu_name:
         return hardware.gpu_name
     if hardware.tpu:
         return "TPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or "CPU"
-    return f"{model} ({os.cpu_count()} cores)"
+    return cpu_name()
+
+
+def cpu_name(path="/proc/cpuinfo"):
+    """The CPU's model name, family and model numbers, bfloat16 flags and cores, e.g.
+    "Intel(R) Xeon(R) Processor (family 6 model 167, amx_bf16 avx512_bf16, 2 cores)".
+
+    A virtual machine's model name can be as bare as that one, the same for several
+    generations; the family and model numbers tell them apart (an AMD EPYC Zen 3 is family
+    25 model 1, a Zen 4 family 25 model 17, a Zen 5 family 26), and the flags say whether
+    bfloat16 runs in hardware. Figures and autotune's cached choices are labelled with it.
+    """
+    fields = _cpuinfo(path)
+    model = fields.get("model name") or platform.processor() or "CPU"
+    details = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields else []
+    if "flags" in fields:
+        details.append(" ".join(_cpu_flags(path)) or "no bfloat16 instructions")
+    return f"{model} ({', '.join([*details, f'{os.cpu_count()} cores'])})"

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fused, inputs, loop, steps, timing
+from tfmp import fused, inputs, loop, precision, steps, timing
 from tfmp.app import models
 from tfmp.bench import lockstep, realsize
 from tfmp.bench.runs import FitRunner
@@ -40,6 +40,8 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
     slow spell of a shared machine falls on both. A cell's ms are the medians over the
     rounds of each loop's median step time; its speedup, the median of the per-round
     ratios (Keras' ms over tfmp's), as the bench's other ratios are."""
+    machine = {"device": precision.device_name(), "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}"}
+    say(f"loop cost on {machine['device']}, {machine['versions']}: {rounds} lockstep rounds a cell")
     rng = np.random.default_rng(0)
     x = rng.random((1024, 16), dtype=np.float32)
     dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
@@ -78,7 +80,7 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
                     + ")"
                 )
     geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cells))
-    return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean}
+    return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean, **machine}
 
 
 def update_times(name, rounds=5, calls_per_turn=3):

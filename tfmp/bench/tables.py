@@ -216,8 +216,10 @@ def markdown(result):
 
 
 def loop_cost_table(costs):
-    """The loop-cost cells as Markdown: ms per step in each loop and tfmp's speed over Keras'."""
-    out = [
+    """The loop-cost cells as Markdown: ms per step in each loop and tfmp's speed over Keras',
+    after a line naming the machine and versions they were measured on."""
+    out = [f"{costs['device']}, {costs['versions']}:", ""] if "device" in costs else []
+    out += [
         f"| loop cost per step ({costs['layers']}-layer MLP, {costs['variables']} variables, batch 32, "
         f"{costs['rounds']} lockstep rounds; speed: the median per-round ratio) | XLA | optimizer | Keras fit "
         "| tfmp.fit | tfmp / Keras (speed) |",
