@@ -186,8 +186,6 @@ flags\t\t: fpu sse2 avx avx2 fma
 def test_cpu_name_tells_cpu_kinds_apart(tmp_path, cpuinfo, expected):
     """Figures and autotune's cache are labelled with it: a Zen 3 and a Zen 4 that share a
     model name differ in their model number and bfloat16 flags."""
-    import os
-
     path = tmp_path / "cpuinfo"
     path.write_text(cpuinfo)
     assert precision.cpu_name(str(path)) == expected.format(n=os.cpu_count())

@@ -407,7 +407,7 @@ def cpu_name(path="/proc/cpuinfo"):
     """
     fields = _cpuinfo(path)
     model = fields.get("model name") or platform.processor() or "CPU"
-    details = [f"family {fields['cpu family']} model {fields['model']}"] if "cpu family" in fields else []
+    details = [f"family {fields['cpu family']} model {fields.get('model', '?')}"] if "cpu family" in fields else []
     if "flags" in fields:
         details.append(" ".join(_cpu_flags(path)) or "no bfloat16 instructions")
     return f"{model} ({', '.join([*details, f'{os.cpu_count()} cores'])})"
