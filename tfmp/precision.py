@@ -3,8 +3,6 @@
 import contextlib
 import dataclasses
 import functools
-import os
-import platform
 import re
 import typing
 
@@ -12,13 +10,12 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, keras_compat
+from tfmp import bf16, cpuinfo, keras_compat
 from tfmp.errors import UsageError
 
 POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8", "bfloat16")
 FLOAT8_BASE = "mixed_bfloat16"  # float8 computes in bfloat16 around its float8 matmuls (tfmp.float8).
 AUTOTUNE = "autotune"  # Handled by tfmp.autotune: it needs the model and data.
-_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,26 +36,6 @@ class Hardware:
     cpu_flags: tuple = ()
 
 
-@functools.cache
-def _cpuinfo(path="/proc/cpuinfo"):
-    """The first processor's fields in `path` ({} where it cannot be read: not Linux)."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return {}
-    fields = {}
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
-def _cpu_flags(path="/proc/cpuinfo"):
-    words = set(_cpuinfo(path).get("flags", "").split())  # Not Linux: none known, so no bfloat16 claim.
-    return tuple(flag for flag in _CPU_BF16_FLAGS if flag in words)
-
-
 def detect_hardware():
     """Reads the visible accelerators and CPU features. Does not create any device."""
     tpu = bool(tf.config.list_logical_devices("TPU"))
@@ -69,7 +46,7 @@ def detect_hardware():
         if cc is not None and (capability is None or tuple(cc) < capability):
             capability = tuple(cc)
         name = name or details.get("device_name", gpu.name)
-    return Hardware(tpu=tpu, gpu_capability=capability, gpu_name=name, cpu_flags=_cpu_flags())
+    return Hardware(tpu=tpu, gpu_capability=capability, gpu_name=name, cpu_flags=cpuinfo.bf16_flags())
 
 
 def choose_policy(hardware):
@@ -387,27 +364,10 @@ def _warn_unmatched(patterns, paths, policy):
 
 
 def device_name():
-    """The accelerator's name, or the CPU's (`cpu_name`)."""
+    """The accelerator's name, or the CPU's (`tfmp.cpuinfo.name`)."""
     hardware = detect_hardware()
     if hardware.gpu_name:
         return hardware.gpu_name
     if hardware.tpu:
         return "TPU"
-    return cpu_name()
-
-
-def cpu_name(path="/proc/cpuinfo"):
-    """The CPU's model name, family and model numbers, bfloat16 flags and cores, e.g.
-    "Intel(R) Xeon(R) Processor (family 6 model 167, amx_bf16 avx512_bf16, 2 cores)".
-
-    A virtual machine's model name can be as bare as that one, the same for several
-    generations; the family and model numbers tell them apart (an AMD EPYC Zen 3 is family
-    25 model 1, a Zen 4 family 25 model 17, a Zen 5 family 26), and the flags say whether
-    bfloat16 runs in hardware. Figures and autotune's cached choices are labelled with it.
-    """
-    fields = _cpuinfo(path)
-    model = fields.get("model name") or platform.processor() or "CPU"
-    details = [f"family {fields['cpu family']} model {fields.get('model', '?')}"] if "cpu family" in fields else []
-    if "flags" in fields:
-        details.append(" ".join(_cpu_flags(path)) or "no bfloat16 instructions")
-    return f"{model} ({', '.join([*details, f'{os.cpu_count()} cores'])})"
+    return cpuinfo.name()
