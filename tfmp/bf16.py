@@ -137,6 +137,20 @@ def round_nearest(x):
     return tf.cast(x, tf.bfloat16)
 
 
+def nearest_value(x):
+    """float32 `x` rounded to the nearest bfloat16 (ties to even), as a float32 tensor.
+
+    By integer ops on the bits, not a cast to bfloat16 and back: XLA's GPU compiler drops
+    such a pair (it allows excess precision, `--xla_allow_excess_precision`, on by default),
+    and a Kahan buffer computed as `x - that` was zero under XLA on a GPU, its training
+    that of round-to-nearest. NaN stays NaN."""
+    x = tf.cast(x, tf.float32)
+    bits = tf.bitcast(x, tf.int32)
+    odd = tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 16), 1)  # Ties go to the even one.
+    kept = tf.bitwise.bitwise_and(bits + (0x7FFF + odd), tf.constant(-(1 << 16), tf.int32))
+    return tf.where(tf.math.is_nan(x), x, tf.bitcast(kept, tf.float32))
+
+
 def _mix(h):
     """A 32-bit integer hash with full avalanche (Wellons' lowbias32) on uint32 tensors."""
     h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16)) * tf.constant(0x21F0AAAD, tf.uint32)
@@ -225,9 +239,9 @@ def _write(variable, buffer, value, rounding, seed):
     """Stores float32 `value` into bfloat16 `variable` with `rounding` (Kahan: the rest in
     `buffer`)."""
     if rounding == "kahan":
-        kept = round_nearest(value)
-        variable.assign(kept)
-        buffer.assign(round_nearest(value - tf.cast(kept, tf.float32)))
+        kept = nearest_value(value)
+        variable.assign(round_nearest(kept))  # Exact: kept is a bfloat16 value.
+        buffer.assign(round_nearest(value - kept))
     elif rounding == "stochastic":
         variable.assign(round_stochastic(value, seed))
     else:
