@@ -71,12 +71,29 @@ def probe(steps, batches):
     try:
         steps.strategy.run(lower, args=(batches,))  # In a replica context, like the real step.
     except (ValueError, TypeError, tf.errors.OpError) as e:
-        text = first_line(e).removeprefix("Failed getting HLO text: ").strip("'")
+        text = first_line(e, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")
         unsupported = re.search(r"unsupported operations .* on XLA_\w+: (\w+)", text)
-        return f"no XLA kernel for {unsupported.group(1)}" if unsupported else text[:200]
+        if unsupported:
+            return f"no XLA kernel for {unsupported.group(1)}"
+        return _elsewhere(text) or text[:200]
     finally:
         tf_logger.setLevel(level)
     return None
+
+
+def _elsewhere(text):
+    """The reason, in a user's words, when the step reads a variable on another device: on
+    a GPU TensorFlow keeps int32 variables in host memory, where XLA's GPU computation
+    cannot read them. None for any other text."""
+    device = r"\S*device:(\w+:\d+)"
+    found = re.search(rf"resource (\S+) \(defined @ ([^)]+)\) located in device {device} from device {device}", text)
+    if not found:
+        return None
+    name, where, held, step = found.groups()
+    fix = "make it with no tf.device of its own"
+    if held.startswith("CPU") and step.startswith("GPU"):
+        fix += ", and int64 or float32 if it is int32 (TensorFlow keeps int32 variables on the host)"
+    return f"variable {name} (made at {where}) is on {held}, the step on {step}, and XLA reads only the step's: {fix}"
 
 
 def _throughput(steps, jit, batches, repeats):
