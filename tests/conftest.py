@@ -79,6 +79,16 @@ def _op_determinism_as_found():
         tf_config.disable_op_determinism()
 
 
+@pytest.fixture
+def deterministic_gpu():
+    """On a GPU, TensorFlow's deterministic kernels for the test: its default ones (atomic
+    reductions, cuDNN's algorithm search) differ from run to run, so two runs compared bit
+    for bit need them. Nothing on a CPU, whose kernels already are. (`_op_determinism_as_found`
+    turns them off after.)"""
+    if GPUS:
+        tf.config.experimental.enable_op_determinism()
+
+
 @pytest.fixture(autouse=True)
 def _reset_policy():
     """Every test starts and ends under float32 with fresh Keras state."""

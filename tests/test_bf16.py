@@ -163,6 +163,30 @@ def test_random_bits_are_the_same_with_and_without_xla():
     assert np.mean(eager == other) < 0.01
 
 
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+def test_nearest_value_is_round_to_nearest_even_and_kahans_rest_survives_xla(jit_compile):
+    """`nearest_value` against ml_dtypes' float32 -> bfloat16: ties, subnormals, the largest
+    finite values (up to inf), infinities, NaN; and what Kahan keeps, x - nearest_value(x),
+    is not zero under XLA (a GPU's XLA drops a cast to bfloat16 and back)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    edges = np.array(
+        [0.0, -0.0, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 1e-40, -3e-39, 3.3895e38, -3.39e38,
+         np.finfo(np.float32).max, np.inf, -np.inf],
+        np.float32,
+    )  # fmt: skip
+    x = np.concatenate([edges, (rng.normal(size=4000) * 10.0 ** rng.integers(-30, 30, 4000)).astype(np.float32)])
+    fn = tf.function(bf16.nearest_value, jit_compile=True) if jit_compile else bf16.nearest_value
+    got = fn(tf.constant(x)).numpy()
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    assert np.isnan(fn(tf.constant([np.nan], tf.float32)).numpy()).all()
+    rest = tf.function(lambda v: v - bf16.nearest_value(v), jit_compile=jit_compile)(tf.constant(x[12:])).numpy()
+    np.testing.assert_array_equal(rest, x[12:] - want[12:])
+    assert np.count_nonzero(rest) > 3000
+
+
 def test_nearest_warns_what_it_loses(caplog):
     with caplog.at_level(logging.WARNING):
         tfmp.configure_precision("bfloat16", rounding="nearest")
@@ -197,7 +221,7 @@ def test_every_replica_rounds_alike_and_matches_one_device(mirrored, rounding):
 @pytest.mark.parametrize(
     "rounding, jit_compile, replicas", [("kahan", False, 1), ("stochastic", True, 1), ("stochastic", False, 2)]
 )
-def test_resume_continues_as_the_unbroken_run(tmp_path, mirrored, rounding, jit_compile, replicas):
+def test_resume_continues_as_the_unbroken_run(tmp_path, mirrored, rounding, jit_compile, replicas, deterministic_gpu):
     strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
     tfmp.configure_precision("bfloat16", rounding=rounding, seed=5)
     unbroken = mlp(strategy=strategy)

@@ -19,7 +19,9 @@ def _train(strategy, jit_compile):
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_the_step_called_directly_trains_to_the_same_bits(replicas, jit_compile, mirrored, monkeypatch):
+def test_the_step_called_directly_trains_to_the_same_bits(
+    replicas, jit_compile, mirrored, monkeypatch, deterministic_gpu
+):
     strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
     direct, kept = _train(strategy, jit_compile)
     assert kept == [True]

@@ -53,6 +53,10 @@ def wheel(tmp_path_factory):
     return path
 
 
+def _is_checkout(path):
+    return os.path.isdir(os.path.join(path, "tfmp")) or os.path.realpath(path) == os.path.realpath(REPO)
+
+
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory):
     """(site directory, a run(*args) in another directory with only that site on the path)."""
@@ -64,7 +68,10 @@ def installed(wheel, tmp_path_factory):
         timeout=600,
     )
     elsewhere = tmp_path_factory.mktemp("elsewhere")
-    env = {**os.environ, "PYTHONPATH": str(target), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # The site first, then what the path held where TensorFlow itself comes by PYTHONPATH (a
+    # GPU machine's /tmp/site): never this checkout, whose tfmp the wheel's must not meet.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not _is_checkout(p)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), *kept]), "TF_CPP_MIN_LOG_LEVEL": "2"}
 
     def run(*args, timeout=300):
         result = subprocess.run(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
+from conftest import GPUS
 from tensorflow.python.framework import config as tf_config  # No public switch off.
 
 import tfmp
@@ -47,6 +48,37 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     warnings = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
     assert len(warnings) == 1 and "PyFunc" in warnings[0] and "without XLA" in warnings[0]
     assert history.history["loss"][1] < history.history["loss"][0]
+
+
+class Elsewhere(keras.layers.Layer):
+    """Adds a variable kept on the second logical CPU, not the step's device."""
+
+    def build(self, input_shape):
+        with tf.device("/CPU:1"):
+            self.offset = tf.Variable(0.5, trainable=False)
+
+    def call(self, x):
+        return x + self.offset
+
+
+def test_a_variable_on_another_device_is_named_with_the_fix(caplog):
+    """XLA reads only the step's device (on a GPU, TensorFlow keeps int32 variables on the
+    host): the fallback's warning names the variable, where it was made and what to do."""
+    model = keras.Sequential([keras.Input((8,)), Elsewhere(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+    assert history.params["jit_compile"] is False
+    (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
+    step = "GPU:0" if GPUS else "CPU:0"
+    assert f"is on CPU:1, the step on {step}" in warning and "test_xla.py" in warning, warning
+    assert "no tf.device of its own" in warning
+    gpu_text = (
+        "Trying to access resource Variable/9 (defined @ /m.py:27) located in device /job:localhost/replica:0/"
+        "task:0/device:CPU:0 from device /job:localhost/replica:0/task:0/device:GPU:0"
+    )
+    assert "int64 or float32 if it is int32" in xla._elsewhere(gpu_text)  # noqa: SLF001
+    assert xla._elsewhere("some other failure") is None  # noqa: SLF001
 
 
 def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
@@ -118,6 +150,12 @@ def _train_tiny(policy, jit_compile, lean, steps_count=10):
     return [w.numpy() for w in model.weights], compiled._lean  # noqa: SLF001
 
 
+# Steps never takes that executor where a GPU is visible: there the step's graph spans the
+# host (the input pipeline) and the GPU, and a refusal may come after the input was read.
+CPU_ONLY = pytest.mark.skipif(bool(GPUS), reason="tfmp takes the single-threaded executor on CPU-only machines alone")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_same_bits(policy):
     _, chosen = tiny.steps_after(tf.distribute.get_strategy(), False, 0, policy)
@@ -132,6 +170,7 @@ def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_sam
         np.testing.assert_array_equal(a, b)
 
 
+@CPU_ONLY
 def test_a_step_the_single_threaded_executor_refuses_runs_on_the_default_one():
     # Without XLA, loss scaling's cond becomes a Switch, which that executor does not take.
     default, _ = _train_tiny("mixed_float16", False, lean=False)
@@ -353,6 +392,8 @@ def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strate
 
 @pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
 def test_token_models_compile_one_step_for_every_batch(name, precision):
+    if name == "lstm" and GPUS:
+        pytest.skip("on a GPU Keras' LSTM is cuDNN's kernel, which XLA cannot compile: tfmp.fit trains it without")
     """No shape in the compiled step depends on the token ids (masks, sparse gradients,
     rounding): else XLA makes the ids a compile-time constant and compiles a step for every
     new batch. The step's HLO for two different batches is the same."""

@@ -24,12 +24,13 @@ class InjectOverflow(keras.layers.Layer):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.bad_replica = tf.Variable(-1, trainable=False, dtype=tf.int32)
+        # int64: on a GPU TensorFlow keeps int32 variables in host memory, out of XLA's reach.
+        self.bad_replica = tf.Variable(-1, trainable=False, dtype=tf.int64)
 
     def call(self, x):
         ctx = tf.distribute.get_replica_context()
         replica = ctx.replica_id_in_sync_group if ctx is not None else 0
-        factor = tf.where(tf.equal(self.bad_replica, replica), float("inf"), 1.0)
+        factor = tf.where(tf.equal(self.bad_replica, tf.cast(replica, tf.int64)), float("inf"), 1.0)
         return x * tf.cast(factor, x.dtype)
 
 
@@ -106,6 +107,7 @@ def train(strategy, init, steps, global_batch, grad_accum_steps=1, clipnorm=None
 if __name__ == "__main__":
     init_path, out_path, steps, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     keras.config.set_dtype_policy("float32")
+    tf.config.experimental.enable_tensor_float_32_execution(False)  # As conftest: float32 means float32.
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     init = list(np.load(init_path).values())
     weights, _ = train(strategy, init, steps, batch)
