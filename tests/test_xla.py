@@ -392,11 +392,11 @@ def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strate
 
 @pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
 def test_token_models_compile_one_step_for_every_batch(name, precision):
-    if name == "lstm" and GPUS:
-        pytest.skip("on a GPU Keras' LSTM is cuDNN's kernel, which XLA cannot compile: tfmp.fit trains it without")
     """No shape in the compiled step depends on the token ids (masks, sparse gradients,
     rounding): else XLA makes the ids a compile-time constant and compiles a step for every
     new batch. The step's HLO for two different batches is the same."""
+    if name == "lstm" and GPUS:
+        pytest.skip("on a GPU Keras' LSTM is cuDNN's kernel, which XLA cannot compile: tfmp.fit trains it without")
     tfmp.configure_precision(precision)
     try:
         keras.utils.set_random_seed(0)
