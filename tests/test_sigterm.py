@@ -72,21 +72,27 @@ def test_sigterm_whose_exception_a_finalizer_drops_still_preempts(tmp_path):
         pass
 
 
-@pytest.mark.parametrize("where", ["import machinery", "nest"])
+@pytest.mark.parametrize("where", ["import machinery", "nest", "op wrapper"])
 def test_sigterm_during_an_import_is_not_raised_there(tmp_path, capfd, where):
     """Raised inside an import that C code started, SIGTERM's exception comes back as a
     SystemError with a traceback on stderr (full-suite runs: TensorFlow's nest importing
-    lazily, the handler seeing the import machinery's frame once and nest's own another
-    time). There the handler only sets the flag; the block's end raises."""
+    lazily, the handler seeing the import machinery's frame once, nest's own another time,
+    and gen_math_ops.floor_mod's, whose eager fast path is C, a third). There the handler
+    only sets the flag; the block's end raises."""
     import tensorflow as tf
 
     from tfmp.errors import Preempted
 
-    # Code whose frame reads as Python's frozen importlib's, or as TensorFlow's nest's.
-    # Its loop lets the handler run while that frame is the current one.
-    nest = os.path.join(os.path.dirname(tf.__file__), "python", "util", "nest_util.py")
+    # Code whose frame reads as Python's frozen importlib's, TensorFlow's nest's or an op
+    # wrapper's. Its loop lets the handler run while that frame is the current one.
+    python = os.path.join(os.path.dirname(tf.__file__), "python")
+    files = {
+        "import machinery": "<frozen importlib._bootstrap>",
+        "nest": os.path.join(python, "util", "nest_util.py"),
+        "op wrapper": os.path.join(python, "ops", "gen_math_ops.py"),
+    }
     source = "os.kill(os.getpid(), signal.SIGTERM)\nfor _ in range(100000):\n    pass"
-    importing = compile(source, "<frozen importlib._bootstrap>" if where == "import machinery" else nest, "exec")
+    importing = compile(source, files[where], "exec")
     reached = False
     with pytest.raises(Preempted, match="SIGTERM outside training"), cli.sigterm_exits_75(str(tmp_path)):
         exec(importing, {"os": os, "signal": signal})  # No exception here, in the "import".

@@ -107,18 +107,20 @@ def sigterm_exits_75(model_dir):
         raise Preempted(message)
 
 
-# TensorFlow's nest: its C flatten imports modules itself, and a handler run inside that
-# import sees nest's own frame as the current one, no frame of the import machinery's (a
-# full-suite run's test_sigterm_at_any_moment[setting up], again).
+# TensorFlow's nest and its generated op wrappers (gen_*_ops.py, whose eager fast path is C):
+# their C code imports modules itself, and a handler run inside that import sees the
+# wrapper's own frame as the current one, no frame of the import machinery's (full-suite
+# runs' test_sigterm_at_any_moment[setting up]: nest once, gen_math_ops.floor_mod later).
 _NEST = os.path.join("tensorflow", "python", "util", "nest_util.py")
+_OP_WRAPPERS = os.path.join("tensorflow", "python", "ops", "gen_")
 
 
 def _importing(frame):
-    """Whether `frame` or one that called it runs Python's import machinery, or TensorFlow's
-    nest, which may be inside an import its C code started."""
+    """Whether `frame` or one that called it runs Python's import machinery, or TensorFlow
+    code whose C part may be inside an import it started (nest, the op wrappers)."""
     while frame is not None:
         name = frame.f_code.co_filename
-        if name.startswith("<frozen importlib") or name.endswith(_NEST):
+        if name.startswith("<frozen importlib") or name.endswith(_NEST) or _OP_WRAPPERS in name:
             return True
         frame = frame.f_back
     return False
