@@ -145,6 +145,26 @@ def test_goals_are_judged_from_the_figures():
     assert "not yet: 1, 2, 3, 5, 6, 8" in report
 
 
+def test_loops_take_turns_to_warm_first_and_the_cold_first_step_is_marked():
+    """XLA keeps its GEMM and convolution autotuning for the process: a precision's second
+    fit compiles faster than its first, so the loops alternate and the table says which was cold."""
+    part = gpu_report.PARTS[1]
+    orders = [gpu_report._warm_order(part, policy) for policy in part.precisions]
+    assert [order[0] for order in orders] == ["tfmp", "keras", "tfmp"][: len(orders)]
+    assert all(sorted(order) == ["keras", "tfmp"] for order in orders)
+    versions = {"device": "GPU", "tensorflow": "2", "keras": "3", "python": "3", "created": "now"}
+    cells = [
+        {
+            **_cell("resnet50", "sgd", "float32", "tfmp", 100, vs_keras=1.1),
+            "first_step_seconds": 60,
+            "warmed_first": True,
+        },
+        {**_cell("resnet50", "sgd", "float32", "keras", 90), "first_step_seconds": 25, "warmed_first": False},
+    ]
+    report = gpu_tables.markdown([{"part": 1, "cells": cells, **versions}], gpu_report.PARTS)
+    assert "| 60* / 25 |" in report and "* marks the fit of a precision that warmed first" in report
+
+
 def test_gemm_kinds_reads_gpu_hlo():
     hlo = "\n".join(
         [

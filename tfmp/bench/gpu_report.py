@@ -14,8 +14,10 @@ GPU's matmul and conv peaks per dtype, the ratios the mixed policies' gains are 
 
 In each part every precision is trained by tfmp.fit and by Keras fit, both with XLA: each
 fit warms up alone (time to its first step, and its own peak memory: what it holds
-beyond what was held before it was built), then all of them train in alternating rounds,
-a step of each in turn (`lockstep`), so that ratios compare neighbouring steps. A part
+beyond what was held before it was built; the loops take turns to warm first, since a
+precision's second compile reuses XLA's autotuning of its first), then all of them train
+in alternating rounds, a step of each in turn (`lockstep`), so that ratios compare
+neighbouring steps. A part
 stops warming new fits before its budget runs out and says which it left; every line
 goes to the console and report.log, at least one a minute. After each part
 report.md (`gpu_tables`) is written again from every part*.json in the directory.
@@ -173,9 +175,11 @@ def _cell(part, policy, trainer):
     return {"model": part.model, "optimizer": part.optimizer, "precision": policy, "loop": trainer}
 
 
-def _warm(part, policy, trainer, batch, log):
-    """Builds and warms up one fit alone: (runner or None where it failed, its cell)."""
-    cell = _cell(part, policy, trainer)
+def _warm(part, policy, trainer, batch, log, first):
+    """Builds and warms up one fit alone: (runner or None where it failed, its cell).
+    `first`: the first of its precision's fits in this process, whose compile finds none
+    of XLA's autotuning for its GEMMs and convolutions done (the second's does)."""
+    cell = {**_cell(part, policy, trainer), "warmed_first": first}
     what = f"{part.model} {policy} {LOOPS[trainer]}"
     log(f"{what}: building, then {FLAGS.warmup_steps} steps alone", doing=f"warming up {what}")
     base = _in_use()
@@ -232,6 +236,14 @@ def _compare(cells, held):
             cell["vs_base"], cell["vs_base_error"] = timing.median_ratio(runner.rates, base.rates)
 
 
+def _warm_order(part, policy):
+    """The loops in the order they warm up for `policy`: tfmp.fit first for the part's 1st,
+    3rd, ... precision, Keras fit first for its 2nd, 4th, ... XLA keeps its autotuning of
+    GEMMs and convolutions for the process, so the second fit of a precision compiles
+    faster than from cold: alternating gives each loop cold first steps to compare."""
+    return runs.TRAINERS if part.precisions.index(policy) % 2 == 0 else runs.TRAINERS[::-1]
+
+
 def _timed_cells(part, batch, log, began):
     """Every (precision, loop) of `part`: warm-ups, rounds and the cells' figures."""
     groups = [part.precisions] if part.together else [(p,) for p in part.precisions]
@@ -239,12 +251,13 @@ def _timed_cells(part, batch, log, began):
     for group in groups:
         held = {}
         for policy in group:
-            for trainer in runs.TRAINERS:
+            for trainer in _warm_order(part, policy):
                 if _spent(began):
                     cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": BUDGET_SPENT}
                     log(f"{part.model} {policy} {LOOPS[trainer]}: {BUDGET_SPENT}")
                     continue
-                runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log)
+                first = not any(p == policy for p, _ in cells)
+                runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log, first)
                 if runner is not None:
                     held[(policy, trainer)] = runner
         if held:

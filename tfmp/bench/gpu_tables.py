@@ -43,6 +43,12 @@ def _number(value, spec=",.0f", none="-"):
     return none if value is None else format(value, spec)
 
 
+def _first_step(cell):
+    """Seconds to the end of the first step; * where the fit warmed first for its
+    precision (a compile from cold: the other reused XLA's autotuning)."""
+    return _number(cell.get("first_step_seconds"), ".0f") + ("*" if cell.get("warmed_first") else "")
+
+
 def _ratio(cell, key):
     value, error = cell.get(key), cell.get(f"{key}_error")
     if value is None:
@@ -88,8 +94,8 @@ def _speed_table(cells):
         lines.append(
             f"| {model} | {optimizer} | {policy} | {_number(ours.get('examples_per_second'))} | "
             f"{_number(theirs.get('examples_per_second'))} | {_ratio(ours, 'vs_keras')} | {_ratio(ours, 'vs_base')} | "
-            f"{_gib(ours)} / {_gib(theirs)} | {_number(ours.get('first_step_seconds'), '.0f')} / "
-            f"{_number(theirs.get('first_step_seconds'), '.0f')} | {_number(torch.get('examples_per_second'))} |"
+            f"{_gib(ours)} / {_gib(theirs)} | {_first_step(ours)} / {_first_step(theirs)} | "
+            f"{_number(torch.get('examples_per_second'))} |"
         )
     return lines
 
@@ -116,7 +122,7 @@ def _float8_table(cells):
         lines.append(
             f"| {c['model']} | {c['precision']} | {LOOP_NAMES[c['loop']]} | {_number(c.get('examples_per_second'))} | "
             f"{_versus_bfloat16(cells, c)} | {_ratio(c, 'vs_keras')} | {_gib(c)} | "
-            f"{_number(c.get('first_step_seconds'), '.0f')} | {_number(c.get('final_loss'), '.3f')} |"
+            f"{_first_step(c)} | {_number(c.get('final_loss'), '.3f')} |"
         )
     return lines
 
@@ -223,7 +229,9 @@ def markdown(parts, all_parts):
         "Examples/s are medians of alternating rounds, a step of each fit in turn, after a 12-step warm-up; both "
         "loops with XLA. tfmp/Keras and vs float32 are medians of per-round ratios (± standard error). Peak memory: "
         "what a fit held beyond what was held before it was built. First step: from the fit call to the end of "
-        "its first step (trace, compile, one step).",
+        "its first step (trace, compile, one step); * marks the fit of a precision that warmed first, whose "
+        "compile started cold: XLA keeps its autotuning of GEMMs and convolutions for the process, and the "
+        "other fit's compile found it done (the loops take turns to warm first, precision by precision).",
         "",
         *_speed_table(cells),
         "",
