@@ -36,6 +36,8 @@ NO_SHARED_DATASETS = pytest.mark.skipif(
 
 from tfmp import precision  # noqa: E402
 
+pytest_plugins = ["failure_log"]  # TFMP_FAILURES=FILE: each failure's report there as it happens.
+
 # On a CPU without bfloat16 instructions (AMD EPYC Zen 3: AVX2 only) mixed_bfloat16 runs
 # emulated, 7x or more float32's step time: tests that train under it there keep to a few
 # small steps, and those that would train long skip with this reason.
