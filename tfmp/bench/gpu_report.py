@@ -17,10 +17,10 @@ fit warms up alone (time to its first step, and its own peak memory: what it hol
 beyond what was held before it was built; the loops take turns to warm first, since a
 precision's second compile reuses XLA's autotuning of its first), then all of them train
 in alternating rounds, a step of each in turn (`lockstep`), so that ratios compare
-neighbouring steps. A part
-stops warming new fits before its budget runs out and says which it left; every line
-goes to the console and report.log, at least one a minute. After each part
-report.md (`gpu_tables`) is written again from every part*.json in the directory.
+neighbouring steps. A part stops warming new fits before its budget runs out and says
+which it left; every line goes to the console and report.log, at least one a minute.
+After each part report.md (`gpu_tables`) is written again from every part*.json in the
+directory.
 """
 
 import os
