@@ -14,8 +14,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed
-from tfmp.errors import first_line
+from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed, xla
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
@@ -24,12 +23,6 @@ STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate",
 
 def _batch_size(x):
     return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-
-
-def is_xla_error(error):
-    """Whether a TensorFlow error says XLA could not compile a function."""
-    text = str(error)
-    return "XLA" in text or "unsupported operations when trying to compile" in text
 
 
 class Steps:
@@ -142,7 +135,7 @@ class Steps:
         self._lean = self.jit_compile and one and not tpu and not tf.config.list_logical_devices("GPU")
 
     def _fall_back(self, error):
-        logging.warning("XLA cannot compile this model (%s); training without XLA", first_line(error)[:300])
+        logging.warning("XLA cannot compile this model (%s); training without XLA", xla.reason(error))
         self.compile(False)
 
     def _first_call(self, fn, *args):
@@ -152,7 +145,7 @@ class Steps:
         try:
             out = fn(*args)
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError) as e:
-            if not is_xla_error(e):
+            if not xla.is_compile_failure(e):
                 raise
             self._fall_back(e)
             return _FAILED

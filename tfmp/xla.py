@@ -71,14 +71,28 @@ def probe(steps, batches):
     try:
         steps.strategy.run(lower, args=(batches,))  # In a replica context, like the real step.
     except (ValueError, TypeError, tf.errors.OpError) as e:
-        text = first_line(e, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")
-        unsupported = re.search(r"unsupported operations .* on XLA_\w+: (\w+)", text)
-        if unsupported:
-            return f"no XLA kernel for {unsupported.group(1)}"
-        return _elsewhere(text) or text[:200]
+        return reason(e)
     finally:
         tf_logger.setLevel(level)
     return None
+
+
+def is_compile_failure(error):
+    """Whether a TensorFlow error raised by a step under XLA says XLA could not compile or
+    run it there (the step then falls back to no XLA), not that the step itself is wrong."""
+    text = str(error)
+    return "XLA" in text or "unsupported operations when trying to compile" in text or _elsewhere(text) is not None
+
+
+def reason(error):
+    """Why XLA could not compile a step, from the error it raised, up front (`probe`) or
+    at the first step: the op it has no kernel for, or the variable on another device, in
+    a user's words; else the error's first line."""
+    text = str(error)
+    unsupported = re.search(r"unsupported operations .* on XLA_\w+: (\w+)", text)
+    if unsupported:
+        return f"no XLA kernel for {unsupported.group(1)}"
+    return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
 
 
 def _elsewhere(text):
