@@ -251,13 +251,12 @@ def _timed_cells(part, batch, log, began):
     for group in groups:
         held = {}
         for policy in group:
-            for trainer in _warm_order(part, policy):
+            for turn, trainer in enumerate(_warm_order(part, policy)):
                 if _spent(began):
                     cells[(policy, trainer)] = {**_cell(part, policy, trainer), "error": BUDGET_SPENT}
                     log(f"{part.model} {policy} {LOOPS[trainer]}: {BUDGET_SPENT}")
                     continue
-                first = not any(p == policy for p, _ in cells)
-                runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log, first)
+                runner, cells[(policy, trainer)] = _warm(part, policy, trainer, batch, log, first=turn == 0)
                 if runner is not None:
                     held[(policy, trainer)] = runner
         if held:
