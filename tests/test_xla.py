@@ -1,5 +1,5 @@
-"""jit_compile: XLA in tfmp's steps under strategies, its fallback, "auto", and sparse
-embedding gradients equal to dense ones."""
+"""jit_compile: XLA in tfmp's steps under strategies, its fallback, "auto" and "autotune".
+What the compiled step holds (sparse gradients, ops outside XLA): test_compiled_step.py."""
 
 import logging
 
@@ -12,8 +12,7 @@ from conftest import GPUS
 from tensorflow.python.framework import config as tf_config  # No public switch off.
 
 import tfmp
-from tfmp import keras_compat, loop, steps, xla
-from tfmp.app import models
+from tfmp import keras_compat, loop, xla
 from tfmp.errors import UsageError
 
 
@@ -301,125 +300,3 @@ def test_measuring_leaves_the_model_as_it_was():
 def test_bad_jit_compile_is_a_usage_error():
     with pytest.raises(UsageError, match="jit_compile"):
         tfmp.fit(tiny_regression(), regression_data(), jit_compile="yes", verbose=0)
-
-
-# ---- sparse gradients ----
-
-
-def embedding_model(strategy, vocab=300):
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        tokens = keras.Input((6,), dtype="int32")
-        hidden = keras.layers.Embedding(vocab, 8)(tokens)
-        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
-        out = keras.layers.Dense(3, activation="softmax", dtype="float32")(hidden)
-        model = keras.Model(tokens, out)
-        model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "sparse_categorical_crossentropy")
-    return model
-
-
-def token_data(batch=16, vocab=300):
-    rng = np.random.default_rng(3)
-    x = rng.integers(0, 20, (128, 6)).astype(np.int32)  # Few distinct ids: many duplicate rows.
-    x[:, 0] = rng.integers(0, vocab, 128)
-    y = (x[:, 0] % 3).astype(np.int64)
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True)
-
-
-def test_embedding_gradient_leaves_the_replica_sparse():
-    model = embedding_model(tf.distribute.get_strategy())
-    compiled = loop.prepare(model, tf.distribute.get_strategy(), token_data().element_spec, grad_accum_steps=2)
-    batch = next(iter(token_data()))
-    grads, _, _ = compiled.gradients((batch, batch))
-    assert isinstance(grads[0], tf.IndexedSlices)
-    assert grads[0].values.shape[0] == 2 * 16 * 6  # Two batches' rows, concatenated, not summed densely.
-
-
-@pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy):
-    keras.config.set_dtype_policy(policy)
-    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
-    data = token_data()
-    if replicas == 2:
-        data = strategy.experimental_distribute_dataset(data)
-    results = {}
-    for sparse in (True, False):
-        model = embedding_model(strategy)
-        # One update kernel for both (a dense gradient would take the fused one): only the
-        # sparse handling differs. Fused against Keras' update: tests/test_fused.py.
-        compiled = steps.Steps(model, strategy, grad_accum_steps=2, clipnorm=0.05, sparse=sparse, fused_updates=False)
-        iterator = iter(data)
-        for _ in range(3):
-            out = compiled.train(iterator)
-        results[sparse] = [w.numpy() for w in model.weights], out["grad_norm"]
-    (sparse_w, sparse_norm), (dense_w, dense_norm) = results[True], results[False]
-    np.testing.assert_allclose(sparse_norm, dense_norm, rtol=1e-5)
-    for a, b in zip(sparse_w, dense_w, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
-def update_graph(layers, strategy, optimizer, jit_compile=True):
-    """The traced (not run) one-update step of a `layers`-deep Dense model."""
-    with strategy.scope():
-        dense = [keras.layers.Dense(8, activation="relu") for _ in range(layers)]
-        model = keras.Sequential([keras.Input((8,)), *dense, keras.layers.Dense(1)])
-        model.compile(optimizer(1e-3), "mse")
-    data = regression_data()
-    compiled = loop.prepare(model, strategy, data.element_spec)
-    compiled.compile(jit_compile)
-    if strategy.num_replicas_in_sync > 1:
-        data = strategy.experimental_distribute_dataset(data)
-    return compiled.update_graph(iter(data))
-
-
-@pytest.mark.parametrize("strategy_name", ["one_device", "mirrored"])
-def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strategy_name):
-    """With XLA, the whole update is one XLA computation on one device; under a strategy only
-    the all-reduce of one packed vector sits between two per replica. Counted, not timed:
-    the ops the step's graph runs outside XLA at 50 and 150 Dense layers (100 and 300
-    variables) are the same, for float32 and mixed_float16, SGD and Adam."""
-    strategy = request.getfixturevalue("mirrored") if strategy_name == "mirrored" else tf.distribute.get_strategy()
-    counts = {}
-    for policy in ("float32", "mixed_float16"):
-        for optimizer in (keras.optimizers.SGD, keras.optimizers.Adam):
-            for layers in (50, 150):
-                keras.config.set_dtype_policy(policy)
-                counts[policy, optimizer.__name__, layers] = xla.ops_outside_xla(
-                    update_graph(layers, strategy, optimizer)
-                )
-                keras.backend.clear_session()
-    for policy, optimizer, layers in counts:
-        if layers == 50:
-            assert counts[policy, optimizer, 50] == counts[policy, optimizer, 150], counts
-    assert max(counts.values()) <= (5 if strategy_name == "one_device" else 80), counts
-    # Without XLA the same count grows with the variables: the counter sees into the calls.
-    keras.config.set_dtype_policy("float32")
-    assert xla.ops_outside_xla(update_graph(50, strategy, keras.optimizers.Adam, jit_compile=False)) > 500
-
-
-@pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
-def test_token_models_compile_one_step_for_every_batch(name, precision):
-    """No shape in the compiled step depends on the token ids (masks, sparse gradients,
-    rounding): else XLA makes the ids a compile-time constant and compiles a step for every
-    new batch. The step's HLO for two different batches is the same."""
-    if name == "lstm" and GPUS:
-        pytest.skip("on a GPU Keras' LSTM is cuDNN's kernel, which XLA cannot compile: tfmp.fit trains it without")
-    tfmp.configure_precision(precision)
-    try:
-        keras.utils.set_random_seed(0)
-        model = models.compile(
-            models.MODELS[name].build(2, vocab_size=50, sequence_length=8), keras.optimizers.SGD(0.1)
-        )
-        ids = np.random.default_rng(0).integers(0, 50, (2, 4, 8))
-        ids[1, :, 5:] = 0  # Padding: the lstm masks it.
-        labels = tf.constant([0, 1, 0, 1])
-        data = tf.data.Dataset.from_tensor_slices((ids[0], labels)).batch(4)
-        compiled = loop.prepare(model, tf.distribute.get_strategy(), data.element_spec)
-        compiled.compile(True)
-        step = compiled._step  # noqa: SLF001
-        hlo = [step.experimental_get_compiler_ir(((tf.constant(x), labels),))(stage="hlo") for x in ids]
-    finally:
-        tfmp.configure_precision("float32")
-        keras.backend.clear_session()
-    assert hlo[0] == hlo[1]
