@@ -73,10 +73,14 @@ def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch,
     model.compile(keras.optimizers.SGD(0.1), "mse")
     with caplog.at_level(logging.WARNING):
         history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
-    if found == "up front":  # (A fallback at the first step comes after the callbacks' params.)
-        assert history.params["jit_compile"] is False
-    assert np.isfinite(history.history["loss"][0]) and int(model.optimizer.iterations.numpy()) >= 7
-    (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
+        assert np.isfinite(history.history["loss"][0]) and int(model.optimizer.iterations.numpy()) >= 7
+        # A second fit keeps the model's steps: it knows the answer and does not compile again.
+        again = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+    for run in (history, again):  # Up front or at the first step, the params say what was done and why.
+        assert run.params["jit_compile"] is False
+        assert run.params["jit_compile_reason"].startswith("XLA cannot compile this model: variable ")
+        assert "is on CPU:1" in run.params["jit_compile_reason"]
+    (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]  # One, for both fits.
     step = "GPU:0" if GPUS else "CPU:0"
     assert f"is on CPU:1, the step on {step}" in warning and "test_xla.py" in warning, warning
     assert "no tf.device of its own" in warning

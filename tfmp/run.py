@@ -123,6 +123,8 @@ class Run:
                 packed = steps.dispatch(iterator, updates)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
+            if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.
+                self._fell_back()
             batches = updates * n
             done, self.step = done + batches, self.step + batches
             position = epoch * self.input.period + done if self.input.streamed else done
@@ -153,6 +155,11 @@ class Run:
         if pending is not None:
             logs = self._finish(pending)
         return logs, done
+
+    def _fell_back(self):
+        """The callbacks' params say what the run does now: no XLA, and why (as the up-front probe says it)."""
+        why = f"XLA cannot compile this model: {self.steps.fallback}"
+        self.callbacks.set_params({**self.callbacks.params, "jit_compile": False, "jit_compile_reason": why})
 
     def _reads_behind(self, handler):
         """Whether an update's end may be handled after the next update is queued: not for

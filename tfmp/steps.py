@@ -96,6 +96,7 @@ class Steps:
         self._dense = [not self.sparse or (alone and (dense_update or bfloat16)) for bfloat16 in self._bf16]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran = False
+        self.fallback = None  # Why XLA failed at the first step, where it did (`_first_call`).
         self.compile(jit_compile)
 
     def compile(self, jit_compile):
@@ -135,7 +136,8 @@ class Steps:
         self._lean = self.jit_compile and one and not tpu and not tf.config.list_logical_devices("GPU")
 
     def _fall_back(self, error):
-        logging.warning("XLA cannot compile this model (%s); training without XLA", xla.reason(error))
+        self.fallback = xla.reason(error)
+        logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
         self.compile(False)
 
     def _first_call(self, fn, *args):

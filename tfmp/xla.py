@@ -191,8 +191,9 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
         _PROBES[key] = probe(steps, batches)
         if _PROBES[key]:
             logging.warning("XLA cannot compile this model (%s); training without XLA", _PROBES[key])
-    if _PROBES[key]:
-        use, why = False, f"XLA cannot compile this model: {_PROBES[key]}"
+    refused = _PROBES[key] or steps.fallback  # (Or a first step of these steps, where the probe missed it.)
+    if refused:
+        use, why = False, f"XLA cannot compile this model: {refused}"
     elif jit_compile is True:
         use, why = True, "on"
     elif not ruled:
