@@ -76,6 +76,9 @@ def test_build_for_checks_the_structure_against_the_model():
     wrong = tf.data.Dataset.from_tensor_slices((np.ones((4, 5), "float32"), np.ones((4, 1), "float32"))).batch(2)
     with pytest.raises(UsageError, match=r"input .* takes shape \(None, 3\) but the data gives \(None, 5\)"):
         inputs.build_for(model, ONE(), wrong.element_spec)
+    unbatched = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), np.ones((4, 1), "float32")))
+    with pytest.raises(UsageError, match=r"gives \(3,\); its elements are single examples: batch the dataset"):
+        inputs.build_for(model, ONE(), unbatched.element_spec)
     no_targets = tf.data.Dataset.from_tensor_slices(np.ones((4, 3), "float32")).batch(2)
     with pytest.raises(UsageError, match="the data gives no targets"):
         inputs.build_for(model, ONE(), no_targets.element_spec)

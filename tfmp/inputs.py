@@ -123,10 +123,13 @@ def build_for(model, strategy, element_spec):
             )
         else:
             for spec, layer_input in zip(given, inputs, strict=True):
-                if not tf.TensorShape(spec.shape[1:]).is_compatible_with(tf.TensorShape(layer_input.shape[1:])):
+                example = tf.TensorShape(layer_input.shape[1:])
+                if not tf.TensorShape(spec.shape[1:]).is_compatible_with(example):
+                    unbatched = spec.shape.rank is not None and spec.shape.is_compatible_with(example)
                     raise UsageError(
                         f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
                         f"{tuple(spec.shape)}"
+                        + ("; its elements are single examples: batch the dataset (`.batch(N)`)" if unbatched else "")
                     )
     if y is None and keras_compat.compiled(model)[0] is not None:
         raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
