@@ -215,6 +215,85 @@ def test_bad_use_is_one_usage_error(make_model, data, kwargs, words):
         tfmp.fit(make_model(), data(), **{"verbose": 0, **kwargs})
 
 
+@seeded
+def classifier():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def labelled(one_hot=False, batch=32):
+    rng = np.random.default_rng(3)
+    x = rng.random((256, 8), dtype=np.float32)
+    y = np.minimum((x[:, 0] * 4).astype(np.int64), 2)  # Classes 0, 1 and 2 at about 1:1:2.
+    return tf.data.Dataset.from_tensor_slices((x, np.eye(3, dtype=np.float32)[y] if one_hot else y)).batch(batch)
+
+
+@pytest.mark.parametrize("labels", ["indices", "one-hot"])
+def test_class_weight_trains_as_model_fit_does(mirrored, labels):
+    """Keras' semantics (a class left out weighs 1; one-hot labels by their argmax), the same
+    weights as model.fit's, and under two replicas the same again; weighting changes them."""
+    one_hot = labels == "one-hot"
+    build = classifier
+    if one_hot:
+        build = seeded(lambda: _recompiled(classifier(), keras.losses.CategoricalCrossentropy(from_logits=True)))
+    class_weight = {0: 4.0, 2: 0.25}
+    theirs = build()
+    theirs.fit(labelled(one_hot), epochs=2, class_weight=class_weight, verbose=0)
+    ours = build()
+    tfmp.fit(ours, labelled(one_hot), epochs=2, class_weight=class_weight, verbose=0)
+    assert_same(weights(ours), weights(theirs))
+    two = build(mirrored)
+    tfmp.fit(two, labelled(one_hot), epochs=2, class_weight=class_weight, verbose=0)
+    assert_same(weights(two), weights(ours))
+    unweighted = build()
+    tfmp.fit(unweighted, labelled(one_hot), epochs=2, verbose=0)
+    assert max(np.abs(a - b).max() for a, b in zip(weights(unweighted), weights(ours), strict=True)) > 1e-2
+
+
+def _recompiled(model, loss):
+    model.compile(keras.optimizers.SGD(0.1), loss)
+    return model
+
+
+def test_class_weight_reaches_a_callable_input_and_survives_resume(tmp_path):
+    """A per-replica callable gets the weights too; a resumed run skips into the weighted stream."""
+
+    def per_replica(context):
+        return labelled(batch=context.get_per_replica_batch_size(32)).repeat()
+
+    run = {"epochs": 2, "steps_per_epoch": 8, "class_weight": {1: 3.0}, "verbose": 0}
+    straight = classifier()
+    tfmp.fit(straight, per_replica, **run)
+    halves = classifier()
+    tfmp.fit(halves, per_replica, **{**run, "epochs": 1}, checkpoint_dir=str(tmp_path))
+    tfmp.fit(halves, per_replica, **run, checkpoint_dir=str(tmp_path))
+    assert_same(weights(halves), weights(straight))
+    theirs = classifier()
+    # Keras fails on a label above the largest class given (here 2); tfmp weighs it 1, as any left out.
+    theirs.fit(labelled().repeat(), epochs=2, steps_per_epoch=8, class_weight={1: 3.0, 2: 1.0}, verbose=0)
+    assert_same(weights(straight), weights(theirs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, data, error, words",
+    [
+        ({"class_weight": {0: 1.0}}, lambda: two_output_data(), UsageError, "sample weights in the data"),
+        ({"class_weight": {0: 1.0}}, lambda: two_output_data().map(lambda x, y, w: (x, y)), UsageError, "single"),
+        ({"class_weight": {-1: 1.0}}, labelled, UsageError, "class indices"),
+        ({"class_weight": {0: float("inf")}}, labelled, UsageError, "finite weights"),
+        ({"class_weight": []}, labelled, UsageError, "non-empty dict"),
+        ({"batch_size": 32}, labelled, UsageError, r"not batch_size=: batch the dataset"),
+        ({"validation_split": 0.1}, labelled, UsageError, "not validation_split=: split the dataset"),
+        ({"sample_weight": np.ones(256)}, labelled, UsageError, r"\(x, y, sample_weight\) elements"),
+        ({"epoch": 2}, labelled, TypeError, "unexpected keyword argument 'epoch'"),
+    ],
+)
+def test_keras_arguments_tfmp_does_differently_are_named_with_the_way(kwargs, data, error, words):
+    with pytest.raises(error, match=words):
+        tfmp.fit(classifier(), data(), verbose=0, **kwargs)
+
+
 def test_model_built_outside_the_strategy_is_refused(mirrored):
     with pytest.raises(UsageError, match="outside the scope"):
         tfmp.fit(regression(), regression_data(), strategy=mirrored, verbose=0)

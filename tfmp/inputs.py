@@ -3,6 +3,7 @@
 import inspect
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfmp import distribute, keras_compat
@@ -24,8 +25,9 @@ class Input:
     each epoch until it runs out.
     """
 
-    def __init__(self, data, strategy, steps, grad_accum_steps, name, training=True):
+    def __init__(self, data, strategy, steps, grad_accum_steps, name, training=True, class_weight=None):
         self.strategy, self.steps, self.name = strategy, steps, name
+        self._weigh = None  # `class_weights`' map, applied to every element (a callable's too).
         self.replicas = strategy.num_replicas_in_sync
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
@@ -42,8 +44,13 @@ class Input:
             probe = data(tf.distribute.InputContext(1, 0, 1))
             if not isinstance(probe, tf.data.Dataset):
                 raise UsageError(f"{name}(input_context) must return a tf.data.Dataset, got {type(probe).__name__}")
+            if class_weight is not None:
+                self._weigh = class_weights(class_weight, probe.element_spec)
+                probe = probe.map(self._weigh)
             self.element_spec = probe.element_spec
         else:
+            if class_weight is not None:
+                data = self.data = data.map(class_weights(class_weight, data.element_spec))
             self.element_spec = data.element_spec
             cardinality = int(data.cardinality())
             if cardinality == 0:
@@ -81,10 +88,12 @@ class Input:
 
             def dataset_fn(context):
                 if takes_skip:
-                    return self.fn(context, skip=skip)
-                per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
-                ds = self.fn(context)
-                return (ds.repeat() if repeat else ds).skip(skip * per_pipeline)
+                    ds = self.fn(context, skip=skip)
+                else:
+                    per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+                    ds = self.fn(context)
+                    ds = (ds.repeat() if repeat else ds).skip(skip * per_pipeline)
+                return ds if self._weigh is None else ds.map(self._weigh)
 
             return self.strategy.distribute_datasets_from_function(dataset_fn)
         ds = (self.data.repeat() if repeat else self.data).skip(skip)
@@ -103,6 +112,43 @@ class Input:
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+def class_weights(class_weight, element_spec):
+    """The `Dataset.map` function that gives each `(x, y)` element the sample weights
+    `class_weight[label]`, as `model.fit(class_weight=...)` does: labels are y's integers,
+    or its argmax where y is one-hot (a last axis over 1); a class not in `class_weight`
+    weighs 1. Raises UsageError for a mapping that is not {class index >= 0: weight >= 0},
+    for elements that already hold sample weights, and for several outputs."""
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise UsageError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}")
+    for key, weight in class_weight.items():
+        index_ok = isinstance(key, int | np.integer) and not isinstance(key, bool) and key >= 0
+        if not index_ok or not isinstance(weight, int | float | np.number) or not 0 <= weight < np.inf:
+            raise UsageError(f"class_weight maps class indices (>= 0) to finite weights >= 0; got {key!r}: {weight!r}")
+    _, y, sample_weight = keras.utils.unpack_x_y_sample_weight(element_spec)
+    if sample_weight is not None:
+        raise UsageError("class_weight and sample weights in the data cannot both weigh the examples: give one")
+    if y is None or tf.nest.is_nested(y):
+        raise UsageError(
+            "class_weight needs a single target y per element (one output); for several, put each output's "
+            "sample weights in the data: (x, y, sample_weight) elements"
+        )
+    # One entry past the largest class: the weight (1) of any label above it.
+    table = tf.constant([float(class_weight.get(c, 1.0)) for c in range(max(class_weight) + 2)], tf.float32)
+    if y.shape.rank is None:
+        raise UsageError("class_weight needs targets of known rank")
+    rank, last = y.shape.rank, y.shape[-1] if y.shape.rank else None
+
+    def weigh(*element):
+        x, labels, _ = keras.utils.unpack_x_y_sample_weight(element)
+        if rank >= 2 and last != 1:  # One-hot (or probabilities) over the last axis.
+            classes = tf.argmax(labels, axis=-1, output_type=tf.int32)
+        else:  # Class indices, with or without a last axis of 1.
+            classes = tf.cast(tf.round(tf.squeeze(labels, -1) if rank >= 2 else labels), tf.int32)
+        return x, labels, tf.gather(table, tf.clip_by_value(classes, 0, table.shape[0] - 1))
+
+    return weigh
 
 
 def build_for(model, strategy, element_spec):

@@ -39,6 +39,7 @@ def fit(
     validation_data=None,
     validation_steps=None,
     validation_freq=1,
+    class_weight=None,
     callbacks=None,
     strategy=None,
     grad_accum_steps=1,
@@ -50,6 +51,7 @@ def fit(
     log_every=10,
     jit_compile="auto",
     verbose="auto",
+    **keras_only,
 ):
     """Trains a compiled Keras model like `model.fit`, correct under every strategy.
 
@@ -79,6 +81,9 @@ def fit(
             dataset or callable like `data`); adds `val_*` to the logs and History.
         validation_steps: batches per validation; default: all of `validation_data`.
         validation_freq: validate every this many epochs.
+        class_weight: {class index: weight}, as in `model.fit`: each training example's
+            loss is weighted by its label's class (one output; its labels class indices or
+            one-hot; a class left out weighs 1). Not with sample weights in `data`.
         callbacks: Keras callbacks (EarlyStopping, ModelCheckpoint, TensorBoard, ...).
             tfmp.fit queues each update before it reads the one before (one copy of its
             outputs), so the device need not wait for the host; a callback with batch
@@ -116,7 +121,9 @@ def fit(
         A `keras.callbacks.History`.
 
     Raises:
-        UsageError: bad arguments, before anything is trained or written.
+        UsageError: bad arguments, before anything is trained or written; `model.fit`'s
+            array arguments (`batch_size`, `shuffle`, `validation_split`,
+            `sample_weight`), with what to do with the dataset instead.
         TrainingError: a non-finite loss that no loss scale absorbs, or a failed save.
         Preempted: SIGTERM arrived; a checkpoint was saved (with `checkpoint_dir`).
 
@@ -127,8 +134,9 @@ def fit(
         >>> history = tfmp.fit(model, train_ds, validation_data=val_ds, epochs=10,
         ...                    grad_accum_steps=4, clipnorm=1.0, checkpoint_dir="runs/mine")
     """
+    _keras_only(keras_only)
     strategy = _check_arguments(**locals())
-    train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data")
+    train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
@@ -227,6 +235,27 @@ def evaluate(model, data, *, steps=None, strategy=None, jit_compile=False):
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
     return compiled.evaluate(source.once(), steps)
+
+
+# model.fit's arguments for arrays, and what a dataset does instead.
+_KERAS_ONLY = {
+    "x": "give one dataset of (x, y) batches as `data`",
+    "y": "give one dataset of (x, y) batches as `data`",
+    "batch_size": "batch the dataset: `data.batch(N)`, N the global batch",
+    "shuffle": "shuffle the dataset before batching: `data.shuffle(buffer, seed=...)`",
+    "validation_split": "split the dataset: `data.take(n)` for validation_data, `data.skip(n)` to train on",
+    "sample_weight": "give (x, y, sample_weight) elements in the dataset",
+    "validation_batch_size": "batch validation_data itself",
+}
+
+
+def _keras_only(given):
+    """UsageError for `model.fit`'s array arguments (saying what to do instead); TypeError
+    for any other unknown keyword, as Python would raise."""
+    for name in given:
+        if name in _KERAS_ONLY:
+            raise UsageError(f"tfmp.fit takes datasets, not {name}=: {_KERAS_ONLY[name]}")
+        raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
 
 
 def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
