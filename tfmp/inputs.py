@@ -37,7 +37,7 @@ class Input:
             if not callable(data):
                 raise UsageError(
                     f"{name} must be a tf.data.Dataset or a callable input_context -> dataset, got "
-                    f"{type(data).__name__}; wrap arrays with tf.data.Dataset.from_tensor_slices((x, y)).batch(N)"
+                    f"{type(data).__name__} (arrays go as tfmp.fit(model, x, y) or (x, y) as data)"
                 )
             if not steps:
                 raise UsageError(f"{name} as a callable needs {steps_arg}")
@@ -112,6 +112,63 @@ class Input:
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+def is_array_structure(data):
+    """Whether `data` is a numpy array or tensor, or a tuple, list or dict of them."""
+    if not isinstance(data, np.ndarray | tf.Tensor | tuple | list | dict):
+        return False
+    leaves = tf.nest.flatten(data)
+    return bool(leaves) and all(isinstance(a, np.ndarray | tf.Tensor) for a in leaves)
+
+
+def is_arrays(data):
+    """Whether `data` is `model.fit`'s arrays: a tuple (x, y) or (x, y, sample_weight) of
+    numpy arrays or tensors (x and y may be tuples, lists or dicts of them)."""
+    return isinstance(data, tuple | list) and len(data) in (2, 3) and is_array_structure(data)
+
+
+def _tuples(structure):
+    """Lists made tuples (tf.data reads a list as one tensor to stack)."""
+    if isinstance(structure, list | tuple):
+        return tuple(_tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: _tuples(v) for k, v in structure.items()}
+    return structure
+
+
+def split_arrays(arrays, validation_split):
+    """(training, validation) arrays: the last `validation_split` of the examples, before any
+    shuffling, held out for validation, as `model.fit` does."""
+    n = num_examples(arrays)
+    at = int(n * (1 - validation_split))
+    if not 0 < at < n:
+        raise UsageError(f"validation_split={validation_split} of {n} examples leaves no training or validation data")
+    return tuple(tf.nest.map_structure(lambda a, s=s: a[s], arrays) for s in (slice(None, at), slice(at, None)))
+
+
+def num_examples(arrays):
+    lengths = {int(a.shape[0]) if a.shape.rank else 0 for a in tf.nest.flatten(_tensors(arrays))}
+    if len(lengths) != 1 or 0 in lengths:
+        raise UsageError(f"the arrays must hold the same number (> 0) of examples; their lengths are {sorted(lengths)}")
+    return lengths.pop()
+
+
+def _tensors(arrays):
+    return tf.nest.map_structure(tf.convert_to_tensor, _tuples(arrays))
+
+
+def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False):
+    """A dataset of `batch_size` batches of `arrays` ((x, y) or (x, y, sample_weight)), the
+    examples in a new order each pass where `shuffle`: the same orders for the same `seed`,
+    so that a resumed run, which skips the batches trained, reads the same batches on.
+    The order is shuffled, not the examples (an index each): the arrays are not copied."""
+    tensors = _tensors(arrays)
+    order = tf.data.Dataset.range(num_examples(arrays))
+    if shuffle:
+        order = order.shuffle(num_examples(arrays), seed=seed, reshuffle_each_iteration=True)
+    gather = lambda indices: tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)  # noqa: E731
+    return order.batch(batch_size, drop_remainder=drop_remainder).map(gather).prefetch(tf.data.AUTOTUNE)
 
 
 def class_weights(class_weight, element_spec):

@@ -398,6 +398,13 @@ def broadcast_bfloat16_initial_values():
     extended._get_variable_creator_initial_value = initial_value  # noqa: SLF001
 
 
+def global_seed():
+    """The seed of `keras.utils.set_random_seed` (and `tfmp.set_seed`), or None."""
+    from keras.src.utils import rng_utils  # noqa: PLC0415 - Keras' record of it, not public.
+
+    return rng_utils.get_random_seed()
+
+
 def op_determinism():
     """Whether `tf.config.experimental.enable_op_determinism()` is on (TensorFlow has no
     public getter)."""

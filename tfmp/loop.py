@@ -7,6 +7,7 @@ import weakref
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmp import (
     bf16,
@@ -32,14 +33,19 @@ VERBOSE = ("auto", 0, 1, 2)
 def fit(
     model,
     data,
+    y=None,
     *,
+    batch_size=None,
     epochs=1,
     initial_epoch=0,
     steps_per_epoch=None,
     validation_data=None,
+    validation_split=0.0,
     validation_steps=None,
     validation_freq=1,
+    shuffle=None,
     class_weight=None,
+    sample_weight=None,
     callbacks=None,
     strategy=None,
     grad_accum_steps=1,
@@ -72,18 +78,29 @@ def fit(
             `steps_per_epoch` is required). A callable with a `skip` keyword gets the
             global batches a resumed run skips, and skips them itself (cheaply, before
             decoding), returning the whole remaining stream; otherwise tfmp applies
-            `Dataset.skip` to what it returns.
+            `Dataset.skip` to what it returns. Or, as `model.fit` takes them, arrays
+            (numpy or tensors): `x` here and `y` next, or a tuple `(x, y)` or `(x, y,
+            sample_weight)`; then `batch_size`, `shuffle`, `validation_split` and
+            `sample_weight` apply.
+        y: the targets, where `data` is the arrays `x`.
+        batch_size: the GLOBAL batch of arrays (default 32); a dataset is batched already.
         epochs: epochs to train to (counting `initial_epoch`'s).
         initial_epoch: the epoch to start at (a resumed checkpoint overrides it).
         steps_per_epoch: batches per epoch; default: one pass over `data`. A finite
             dataset is repeated, so epochs may span passes.
         validation_data: evaluated at the end of every `validation_freq`-th epoch (a
             dataset or callable like `data`); adds `val_*` to the logs and History.
+        validation_split: with arrays, the fraction of the examples held out for
+            validation (the last ones, before shuffling, as `model.fit` does).
         validation_steps: batches per validation; default: all of `validation_data`.
         validation_freq: validate every this many epochs.
+        shuffle: with arrays (default True): the examples in a new order each epoch, the
+            orders set by `tfmp.set_seed`'s seed (0 without one), so that a resumed run
+            reads the batches the interrupted one would have. A dataset shuffles itself.
         class_weight: {class index: weight}, as in `model.fit`: each training example's
             loss is weighted by its label's class (one output; its labels class indices or
             one-hot; a class left out weighs 1). Not with sample weights in `data`.
+        sample_weight: with arrays, each example's weight (as in `model.fit`).
         callbacks: Keras callbacks (EarlyStopping, ModelCheckpoint, TensorBoard, ...).
             tfmp.fit queues each update before it reads the one before (one copy of its
             outputs), so the device need not wait for the host; a callback with batch
@@ -121,9 +138,8 @@ def fit(
         A `keras.callbacks.History`.
 
     Raises:
-        UsageError: bad arguments, before anything is trained or written; `model.fit`'s
-            array arguments (`batch_size`, `shuffle`, `validation_split`,
-            `sample_weight`), with what to do with the dataset instead.
+        UsageError: bad arguments, before anything is trained or written (the array
+            arguments with a dataset among them, with what to do with it instead).
         TrainingError: a non-finite loss that no loss scale absorbs, or a failed save.
         Preempted: SIGTERM arrived; a checkpoint was saved (with `checkpoint_dir`).
 
@@ -136,6 +152,9 @@ def fit(
     """
     _keras_only(keras_only)
     strategy = _check_arguments(**locals())
+    data, validation_data = _datasets(
+        data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy
+    )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
     if validation_data is not None:
@@ -212,13 +231,16 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
 _STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
 
 
-def evaluate(model, data, *, steps=None, strategy=None, jit_compile=False):
+def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None, jit_compile=False):
     """The model's compiled loss and metrics over `data`, under its strategy.
 
     Args:
         model: a compiled Keras model.
         data: a `tf.data.Dataset` of global batches, or a callable `input_context ->
-            dataset` (then `steps` is required).
+            dataset` (then `steps` is required); or arrays as `tfmp.fit` takes them:
+            `x` here and `y` next, or a tuple `(x, y)` or `(x, y, sample_weight)`.
+        y: the targets, where `data` is the arrays `x`.
+        batch_size: the GLOBAL batch of arrays (default 32).
         steps: batches to evaluate; default: all.
         strategy: default: the strategy the model was built under.
         jit_compile: run each replica's forward pass with XLA (True, False or "auto").
@@ -231,31 +253,77 @@ def evaluate(model, data, *, steps=None, strategy=None, jit_compile=False):
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     xla.check(jit_compile)
+    data, _ = _datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False)
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
     return compiled.evaluate(source.once(), steps)
 
 
-# model.fit's arguments for arrays, and what a dataset does instead.
-_KERAS_ONLY = {
-    "x": "give one dataset of (x, y) batches as `data`",
-    "y": "give one dataset of (x, y) batches as `data`",
+# model.fit's arguments for arrays, and what to do with a dataset instead.
+_FOR_ARRAYS = {
+    "y": "a dataset holds its targets: give (x, y) elements",
     "batch_size": "batch the dataset: `data.batch(N)`, N the global batch",
     "shuffle": "shuffle the dataset before batching: `data.shuffle(buffer, seed=...)`",
     "validation_split": "split the dataset: `data.take(n)` for validation_data, `data.skip(n)` to train on",
     "sample_weight": "give (x, y, sample_weight) elements in the dataset",
-    "validation_batch_size": "batch validation_data itself",
+}
+_KERAS_ONLY = {
+    "x": "give x as `data` (the first argument after the model)",
+    "validation_batch_size": "validation arrays are batched at batch_size; batch a validation dataset itself",
 }
 
 
 def _keras_only(given):
-    """UsageError for `model.fit`'s array arguments (saying what to do instead); TypeError
+    """UsageError for `model.fit` arguments tfmp.fit takes otherwise (saying how); TypeError
     for any other unknown keyword, as Python would raise."""
     for name in given:
         if name in _KERAS_ONLY:
-            raise UsageError(f"tfmp.fit takes datasets, not {name}=: {_KERAS_ONLY[name]}")
+            raise UsageError(f"tfmp.fit takes no {name}=: {_KERAS_ONLY[name]}")
         raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
+
+
+def _datasets(data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy, training=True):
+    """(training data, validation data) as datasets (or callables), from arrays as
+    `model.fit` takes them (shuffled by default where `training`); a dataset as it is,
+    where no argument for arrays is given."""
+    given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
+    given["validation_split"] = validation_split or None
+    arrays = None
+    if y is not None and inputs.is_array_structure(data):
+        arrays = (data, y)  # tfmp.fit(model, x, y), as model.fit(x, y).
+    elif inputs.is_arrays(data):
+        arrays = data
+    elif inputs.is_array_structure(data):
+        raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
+    tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.
+    if arrays is None:
+        kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
+        for name, value in given.items():
+            if value is not None:
+                raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
+        if inputs.is_arrays(validation_data):  # Batched as the training data is.
+            batch = inputs.batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
+            validation_data = inputs.from_arrays(validation_data, batch or 32, drop_remainder=tpu)
+        return data, validation_data
+    if sample_weight is not None:
+        if len(arrays) == 3:
+            raise UsageError("sample_weight is given twice: in the data tuple and as sample_weight")
+        arrays = (*arrays, sample_weight)
+    if batch_size is not None and (not isinstance(batch_size, int | np.integer) or batch_size < 1):
+        raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if validation_split:
+        if not 0 < validation_split < 1:
+            raise UsageError(f"validation_split must be in [0, 1), got {validation_split!r}")
+        if validation_data is not None:
+            raise UsageError("give validation_data or validation_split, not both")
+        arrays, validation_data = inputs.split_arrays(arrays, validation_split)
+    batch_size = batch_size or 32
+    seed = keras_compat.global_seed() or 0
+    train = inputs.from_arrays(arrays, batch_size, training if shuffle is None else shuffle, seed, drop_remainder=tpu)
+    if inputs.is_arrays(validation_data):
+        validation_data = inputs.from_arrays(validation_data, batch_size, drop_remainder=tpu)
+    return train, validation_data
 
 
 def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):

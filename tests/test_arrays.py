@@ -1,0 +1,114 @@
+"""tfmp.fit and tfmp.evaluate on arrays, as model.fit takes them: x and y (and sample
+weights), batch_size, shuffle, validation_split; the same weights as model.fit where the
+order is the same, a shuffle that a resumed run repeats, and clear errors."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_same, regression, regression_data, weights
+
+import tfmp
+from tfmp.errors import UsageError
+
+
+def arrays(n=256):
+    rng = np.random.default_rng(1)
+    x = rng.random((n, 8), dtype=np.float32)
+    return x, (x @ np.arange(8, dtype=np.float32))[:, None]
+
+
+def test_arrays_train_as_model_fit_does_with_a_validation_split():
+    """Unshuffled, the batches are model.fit's: the same weights, and the same held-out last
+    quarter for validation (its loss the same each epoch)."""
+    x, y = arrays()
+    theirs = regression()
+    keras_history = theirs.fit(x, y, batch_size=16, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
+    ours = regression()
+    history = tfmp.fit(ours, x, y, batch_size=16, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
+    assert_same(weights(ours), weights(theirs))
+    assert set(history.history) == set(keras_history.history) == {"loss", "mae", "val_loss", "val_mae"}
+    for key, values in keras_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
+    assert int(ours.optimizer.iterations.numpy()) == 2 * 12  # 192 training examples in batches of 16.
+
+
+def test_the_shuffle_is_set_by_the_seed_and_a_resumed_run_repeats_it(tmp_path):
+    x, y = arrays()
+    run = {"batch_size": 32, "epochs": 3, "verbose": 0}
+    straight = regression()  # (Seeds 0 as it builds.)
+    tfmp.fit(straight, x, y, **run)
+    again = regression()
+    tfmp.fit(again, x, y, **run)
+    assert_same(weights(again), weights(straight), atol=0)
+    unshuffled = regression()
+    tfmp.fit(unshuffled, x, y, shuffle=False, **run)
+    assert max(np.abs(a - b).max() for a, b in zip(weights(unshuffled), weights(straight), strict=True)) > 1e-4
+    other_seed = regression()
+    tfmp.set_seed(1)
+    tfmp.fit(other_seed, x, y, **run)
+    assert max(np.abs(a - b).max() for a, b in zip(weights(other_seed), weights(straight), strict=True)) > 1e-4
+    halves = regression()  # Stopped after the first epoch, then resumed: the orders go on.
+    tfmp.fit(halves, x, y, **{**run, "epochs": 1}, checkpoint_dir=str(tmp_path))
+    tfmp.fit(halves, x, y, **run, checkpoint_dir=str(tmp_path))
+    assert_same(weights(halves), weights(straight), atol=0)
+
+
+def test_tuples_dicts_sample_weights_and_two_replicas(mirrored):
+    """(x, y, w) as data equals x, y with sample_weight=w (and model.fit's weights); a dict x
+    names the inputs; two replicas train as one."""
+    x, y = arrays()
+    w = np.linspace(0.5, 1.5, len(x), dtype=np.float32)
+    theirs = regression()
+    theirs.fit(x, y, sample_weight=w, batch_size=32, shuffle=False, verbose=0)
+    as_tuple, as_keywords = regression(), regression()
+    tfmp.fit(as_tuple, (x, y, w), shuffle=False, verbose=0)  # batch_size: 32, as model.fit's.
+    tfmp.fit(as_keywords, x, y, sample_weight=w, shuffle=False, verbose=0)
+    assert_same(weights(as_tuple), weights(theirs))
+    assert_same(weights(as_keywords), weights(theirs))
+    two = regression(mirrored)
+    tfmp.fit(two, x, y, sample_weight=w, shuffle=False, verbose=0)
+    assert_same(weights(two), weights(theirs))
+    inputs = keras.Input((8,), name="features")
+    named = keras.Model({"features": inputs}, keras.layers.Dense(1)(inputs))
+    named.compile("sgd", "mse")
+    history = tfmp.fit(named, {"features": x}, y, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_evaluate_and_validation_arrays_beside_a_dataset():
+    x, y = arrays()
+    model = regression()
+    expected = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    result = tfmp.evaluate(model, x, y, batch_size=64)
+    assert result.keys() == expected.keys()
+    np.testing.assert_allclose([result[k] for k in expected], list(expected.values()), rtol=1e-5)
+    history = tfmp.fit(model, regression_data(), validation_data=(x, y), verbose=0)
+    np.testing.assert_allclose(history.history["val_loss"], [tfmp.evaluate(model, (x, y))["loss"]], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, words",
+    [
+        ((arrays()[0],), {}, "data holds inputs only"),
+        (arrays(), {"validation_split": 1.5}, r"validation_split must be in \[0, 1\)"),
+        (arrays(), {"validation_split": 0.999}, "leaves no training or validation data"),
+        (arrays(), {"validation_split": 0.2, "validation_data": arrays()}, "not both"),
+        ((arrays()[0], arrays()[1][:10]), {}, r"same number \(> 0\) of examples; their lengths are \[10, 256\]"),
+        (arrays(), {"batch_size": 0}, "batch_size must be an integer >= 1"),
+        ((arrays() + (np.ones(256),),), {"sample_weight": np.ones(256)}, "sample_weight is given twice"),
+        ((regression_data(),), {"batch_size": 32}, "batch_size= is for arrays, and data is a dataset: batch the"),
+        ((regression_data(),), {"shuffle": True}, r"data.shuffle\(buffer"),
+        ((regression_data(),), {"validation_split": 0.1}, "split the dataset"),
+        ((regression_data(),), {"sample_weight": np.ones(256)}, r"\(x, y, sample_weight\) elements"),
+        ((regression_data(), arrays()[1]), {}, "a dataset holds its targets"),
+        (arrays(), {"x": 1}, "takes no x="),
+    ],
+)
+def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
+    with pytest.raises(UsageError, match=words):
+        tfmp.fit(regression(), *args, verbose=0, **kwargs)
+
+
+def test_an_unknown_keyword_is_a_type_error_as_python_says():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'epoch'"):
+        tfmp.fit(regression(), regression_data(), epoch=2)
