@@ -1,4 +1,4 @@
-"""What `tfmp.fit` reads: datasets and per-worker callables, as distributed streams."""
+"""What `tfmp.fit` reads: datasets, per-worker callables and arrays, as distributed streams."""
 
 import inspect
 
@@ -112,6 +112,59 @@ class Input:
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+# model.fit's arguments for arrays, and what to do with a dataset instead.
+_FOR_ARRAYS = {
+    "y": "a dataset holds its targets: give (x, y) elements",
+    "batch_size": "batch the dataset: `data.batch(N)`, N the global batch",
+    "shuffle": "shuffle the dataset before batching: `data.shuffle(buffer, seed=...)`",
+    "validation_split": "split the dataset: `data.take(n)` for validation_data, `data.skip(n)` to train on",
+    "sample_weight": "give (x, y, sample_weight) elements in the dataset",
+}
+
+
+def datasets(data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy, training=True):
+    """(training data, validation data) as datasets (or callables), from arrays as
+    `model.fit` takes them (shuffled by default where `training`); a dataset as it is,
+    where no argument for arrays is given."""
+    given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
+    given["validation_split"] = validation_split or None
+    arrays = None
+    if y is not None and is_array_structure(data):
+        arrays = (data, y)  # tfmp.fit(model, x, y), as model.fit(x, y).
+    elif is_arrays(data):
+        arrays = data
+    elif is_array_structure(data):
+        raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
+    tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.
+    if arrays is None:
+        kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
+        for name, value in given.items():
+            if value is not None:
+                raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
+        if is_arrays(validation_data):  # Batched as the training data is.
+            batch = batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
+            validation_data = from_arrays(validation_data, batch or 32, drop_remainder=tpu)
+        return data, validation_data
+    if sample_weight is not None:
+        if len(arrays) == 3:
+            raise UsageError("sample_weight is given twice: in the data tuple and as sample_weight")
+        arrays = (*arrays, sample_weight)
+    if batch_size is not None and (not isinstance(batch_size, int | np.integer) or batch_size < 1):
+        raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if validation_split:
+        if not 0 < validation_split < 1:
+            raise UsageError(f"validation_split must be in [0, 1), got {validation_split!r}")
+        if validation_data is not None:
+            raise UsageError("give validation_data or validation_split, not both")
+        arrays, validation_data = split_arrays(arrays, validation_split)
+    batch_size = batch_size or 32
+    seed = keras_compat.global_seed() or 0
+    train = from_arrays(arrays, batch_size, training if shuffle is None else shuffle, seed, drop_remainder=tpu)
+    if is_arrays(validation_data):
+        validation_data = from_arrays(validation_data, batch_size, drop_remainder=tpu)
+    return train, validation_data
 
 
 def is_array_structure(data):

@@ -7,7 +7,6 @@ import weakref
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tfmp import (
     bf16,
@@ -152,7 +151,7 @@ def fit(
     """
     _keras_only(keras_only)
     strategy = _check_arguments(**locals())
-    data, validation_data = _datasets(
+    data, validation_data = inputs.datasets(
         data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
@@ -253,21 +252,13 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     xla.check(jit_compile)
-    data, _ = _datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False)
+    data, _ = inputs.datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False)
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
     return compiled.evaluate(source.once(), steps)
 
 
-# model.fit's arguments for arrays, and what to do with a dataset instead.
-_FOR_ARRAYS = {
-    "y": "a dataset holds its targets: give (x, y) elements",
-    "batch_size": "batch the dataset: `data.batch(N)`, N the global batch",
-    "shuffle": "shuffle the dataset before batching: `data.shuffle(buffer, seed=...)`",
-    "validation_split": "split the dataset: `data.take(n)` for validation_data, `data.skip(n)` to train on",
-    "sample_weight": "give (x, y, sample_weight) elements in the dataset",
-}
 _KERAS_ONLY = {
     "x": "give x as `data` (the first argument after the model)",
     "validation_batch_size": "validation arrays are batched at batch_size; batch a validation dataset itself",
@@ -281,49 +272,6 @@ def _keras_only(given):
         if name in _KERAS_ONLY:
             raise UsageError(f"tfmp.fit takes no {name}=: {_KERAS_ONLY[name]}")
         raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
-
-
-def _datasets(data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy, training=True):
-    """(training data, validation data) as datasets (or callables), from arrays as
-    `model.fit` takes them (shuffled by default where `training`); a dataset as it is,
-    where no argument for arrays is given."""
-    given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
-    given["validation_split"] = validation_split or None
-    arrays = None
-    if y is not None and inputs.is_array_structure(data):
-        arrays = (data, y)  # tfmp.fit(model, x, y), as model.fit(x, y).
-    elif inputs.is_arrays(data):
-        arrays = data
-    elif inputs.is_array_structure(data):
-        raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
-    tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.
-    if arrays is None:
-        kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
-        for name, value in given.items():
-            if value is not None:
-                raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
-        if inputs.is_arrays(validation_data):  # Batched as the training data is.
-            batch = inputs.batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
-            validation_data = inputs.from_arrays(validation_data, batch or 32, drop_remainder=tpu)
-        return data, validation_data
-    if sample_weight is not None:
-        if len(arrays) == 3:
-            raise UsageError("sample_weight is given twice: in the data tuple and as sample_weight")
-        arrays = (*arrays, sample_weight)
-    if batch_size is not None and (not isinstance(batch_size, int | np.integer) or batch_size < 1):
-        raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if validation_split:
-        if not 0 < validation_split < 1:
-            raise UsageError(f"validation_split must be in [0, 1), got {validation_split!r}")
-        if validation_data is not None:
-            raise UsageError("give validation_data or validation_split, not both")
-        arrays, validation_data = inputs.split_arrays(arrays, validation_split)
-    batch_size = batch_size or 32
-    seed = keras_compat.global_seed() or 0
-    train = inputs.from_arrays(arrays, batch_size, training if shuffle is None else shuffle, seed, drop_remainder=tpu)
-    if inputs.is_arrays(validation_data):
-        validation_data = inputs.from_arrays(validation_data, batch_size, drop_remainder=tpu)
-    return train, validation_data
 
 
 def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
