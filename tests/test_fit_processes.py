@@ -17,9 +17,9 @@ SCRIPT = os.path.join(REPO, "tests", "user_script.py")
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def run(*args, timeout=300):
+def run(*args, timeout=300, env=None):
     command = [sys.executable, SCRIPT, *map(str, args)]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, env=env or ENV, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -84,6 +84,21 @@ def test_two_worker_processes_match_one_process(tmp_path):
         assert code == 0, err[-3000:]
     for i in range(2):
         assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))
+
+
+def test_arrays_on_two_worker_processes_match_one_process(tmp_path, monkeypatch):
+    """model.fit's arrays (shuffled by tfmp, a validation split) under two workers: each
+    worker shuffles alike (one seed) and trains on its half of each global batch."""
+    monkeypatch.setenv("USER_SCRIPT_ARRAYS", "1")  # For the workers start_workers starts.
+    run(tmp_path / "one.npz", "-", 0, 0, env={**ENV, "USER_SCRIPT_ARRAYS": "1"})
+    results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    for i in range(2):
+        assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))
+    dataset_run = tmp_path / "dataset.npz"  # Another order of the same examples: other weights.
+    run(dataset_run, "-", 0, 0)
+    assert max(np.abs(a - b).max() for a, b in zip(load(dataset_run), load(tmp_path / "one.npz"), strict=True)) > 1e-4
 
 
 def test_float8_state_on_two_worker_processes_is_that_of_one_process(tmp_path):

@@ -6,6 +6,8 @@ USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and 
 the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores its weights and
 optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
+USER_SCRIPT_ARRAYS=1 trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
+batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset.
 
 OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
 all get the same arguments (python -m tfmp.launch).
@@ -46,12 +48,15 @@ def build(dropout=0.2):
     return model
 
 
-def data(batch=32):
+def arrays():
     rng = np.random.default_rng(3)
     x = rng.random((256, 8), dtype=np.float32)
-    y = {"value": x.sum(1, keepdims=True), "label": (x[:, 0] * 3).astype(np.int64)}
+    return x, {"value": x.sum(1, keepdims=True), "label": (x[:, 0] * 3).astype(np.int64)}
+
+
+def data(batch=32):
     # Reshuffled every epoch from one seed: a resumed run must see the same batches.
-    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(256, seed=7).batch(batch, drop_remainder=True)
+    return tf.data.Dataset.from_tensor_slices(arrays()).shuffle(256, seed=7).batch(batch, drop_remainder=True)
 
 
 class Slow(keras.callbacks.Callback):
@@ -77,12 +82,14 @@ if __name__ == "__main__":
         tfmp.configure_precision(policy)
     with strategy.scope():
         model = build(dropout)
+    if os.environ.get("USER_SCRIPT_ARRAYS") == "1":
+        given = {"data": arrays()[0], "y": arrays()[1], "batch_size": batch, "validation_split": 0.25}
+    else:  # Validation of unknown length (filter): fine on several workers too.
+        given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
     try:
         tfmp.fit(
             model,
-            data(batch),
-            # Unknown length (filter): fine for validation on several workers too.
-            validation_data=data(batch).take(2).filter(lambda x, y: True),
+            **given,
             epochs=3,
             grad_accum_steps=2,
             clipnorm=1.0,
