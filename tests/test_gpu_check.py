@@ -22,11 +22,13 @@ def _check(*args, budget=None, timeout=300):
 
 @pytest.mark.slow  # Three stages for real: a report part and two pytest runs, 40 s on 2 cores.
 def test_rehearsal_runs_the_stages_and_sums_them_up(tmp_path):
-    result = _check("--smoke", str(tmp_path), "bert_adam", "suite", "slow")
+    result = _check("--smoke", str(tmp_path), "bert_adam", "suite", "slow", "step_hlo")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "TensorFlow" in summary.splitlines()[0] and "Smoke run" in summary
-    assert "| bert_adam | passed |" in summary and "| suite | passed |" in summary and "| slow | passed |" in summary
+    for stage in ("bert_adam", "suite", "slow", "step_hlo"):
+        assert f"| {stage} | passed |" in summary
+    assert "| tfmp |" in summary and "| L2Loss | 0 |" in summary  # step_hlo's tables.
     assert "| bert_base | adam | mixed_bfloat16 |" in summary and "## Goals" in summary
     assert "- part 4 float32, mixed_float16, bfloat16: not run (--precisions)" in summary
     suite = (tmp_path / "suite.log").read_text()
@@ -47,7 +49,7 @@ def test_refusals_say_why(tmp_path):
     result = _check()
     assert result.returncode == 2 and "name the output folder" in result.stderr
     result = _check(str(tmp_path), "resnet")
-    assert result.returncode == 2 and "stage resnet: choose gpu_tests bert_adam suite resnet_sgd slow" in result.stderr
+    assert result.returncode == 2 and "stage resnet: choose gpu_tests bert_adam suite resnet_sgd slow step_hlo" in result.stderr
     if GPUS:
         return
     result = _check(str(tmp_path / "out"))

@@ -46,10 +46,6 @@ from tfmp import bf16, callbacks, files, precision, timing  # noqa: E402
 from tfmp.bench import float8_hlo, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
 MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
-OPTIMIZERS = {
-    "sgd": functools.partial(keras.optimizers.SGD, momentum=0.9),
-    "adam": keras.optimizers.Adam,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +182,7 @@ def _warm(part, policy, trainer, batch, log, first):
     start = time.perf_counter()
     try:
         build, dataset = _model_and_data(part.model, batch)
-        runner = runs.FitRunner(trainer, policy, build, dataset, batch, True, OPTIMIZERS[part.optimizer])
+        runner = runs.FitRunner(trainer, policy, build, dataset, batch, True, runs.OPTIMIZERS[part.optimizer])
         timer = FirstStepTimer(batch)
         begun = time.perf_counter()
         runner.run(FLAGS.warmup_steps - 1, timer=timer)

@@ -18,6 +18,12 @@ from tfmp.app import autotune, models
 from tfmp.bench import lockstep, measure, realsize
 from tfmp.bench.tables import CONV_MODELS, TRAINERS
 
+# The GPU report's optimizers, by name.
+OPTIMIZERS = {
+    "sgd": functools.partial(keras.optimizers.SGD, momentum=0.9),
+    "adam": keras.optimizers.Adam,
+}
+
 
 class FitRunner:
     """One model under one policy, trained a turn at a time by `tfmp.fit` or `model.fit`.
