@@ -201,25 +201,26 @@ def split_arrays(arrays, validation_split):
 
 
 def num_examples(arrays):
-    lengths = {int(a.shape[0]) if a.shape.rank else 0 for a in tf.nest.flatten(_tensors(arrays))}
+    lengths = {int(a.shape[0]) if len(a.shape) else 0 for a in tf.nest.flatten(_tuples(arrays))}
     if len(lengths) != 1 or 0 in lengths:
         raise UsageError(f"the arrays must hold the same number (> 0) of examples; their lengths are {sorted(lengths)}")
     return lengths.pop()
 
 
 def _tensors(arrays):
-    return tf.nest.map_structure(tf.convert_to_tensor, _tuples(arrays))
+    with tf.device("CPU:0"):  # Where the input pipeline reads them, whatever the accelerator.
+        return tf.nest.map_structure(tf.convert_to_tensor, _tuples(arrays))
 
 
 def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False):
     """A dataset of `batch_size` batches of `arrays` ((x, y) or (x, y, sample_weight)), the
     examples in a new order each pass where `shuffle`: the same orders for the same `seed`,
     so that a resumed run, which skips the batches trained, reads the same batches on.
-    The order is shuffled, not the examples (an index each): the arrays are not copied."""
-    tensors = _tensors(arrays)
-    order = tf.data.Dataset.range(num_examples(arrays))
+    The shuffle buffer holds the examples' indices, not copies of the examples."""
+    n, tensors = num_examples(arrays), _tensors(arrays)
+    order = tf.data.Dataset.range(n)
     if shuffle:
-        order = order.shuffle(num_examples(arrays), seed=seed, reshuffle_each_iteration=True)
+        order = order.shuffle(n, seed=seed, reshuffle_each_iteration=True)
     gather = lambda indices: tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)  # noqa: E731
     return order.batch(batch_size, drop_remainder=drop_remainder).map(gather).prefetch(tf.data.AUTOTUNE)
 
