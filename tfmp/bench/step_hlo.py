@@ -58,14 +58,12 @@ def read_dump(dump_dir):
     """{loop: kernels(...)} of the largest optimized module of each loop's step in `dump_dir`."""
     found = {}
     for loop, name in STEP_MODULES.items():
-        paths = [
-            p
-            for p in glob.glob(os.path.join(dump_dir, f"*{name}*after_optimizations.txt"))
-            if not re.search(r"after_optimizations-", os.path.basename(p))  # Buffer and memory reports.
-        ]
+        # (Not the "...after_optimizations-buffer-assignment.txt" reports: the name must end so.)
+        paths = glob.glob(os.path.join(dump_dir, f"*{name}*after_optimizations.txt"))
         if paths:
-            with open(max(paths, key=os.path.getsize)) as f:
-                found[loop] = {"module": os.path.basename(max(paths, key=os.path.getsize)), **kernels(f.read())}
+            largest = max(paths, key=os.path.getsize)
+            with open(largest) as f:
+                found[loop] = {"module": os.path.basename(largest), **kernels(f.read())}
     return found
 
 
