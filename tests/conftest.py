@@ -173,11 +173,14 @@ def regression():
     return model
 
 
-def regression_data(batch=32, n=256, drop_remainder=False):
+def regression_arrays(n=256):
     rng = np.random.default_rng(1)
     x = rng.random((n, 8), dtype=np.float32)
-    y = (x @ np.arange(8, dtype=np.float32))[:, None]
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=drop_remainder)
+    return x, (x @ np.arange(8, dtype=np.float32))[:, None]
+
+
+def regression_data(batch=32, n=256, drop_remainder=False):
+    return tf.data.Dataset.from_tensor_slices(regression_arrays(n)).batch(batch, drop_remainder=drop_remainder)
 
 
 def weights(model):

@@ -5,16 +5,12 @@ order is the same, a shuffle that a resumed run repeats, and clear errors."""
 import keras
 import numpy as np
 import pytest
-from conftest import assert_same, regression, regression_data, weights
+from conftest import assert_same, regression, regression_arrays, regression_data, weights
 
 import tfmp
 from tfmp.errors import UsageError
 
-
-def arrays(n=256):
-    rng = np.random.default_rng(1)
-    x = rng.random((n, 8), dtype=np.float32)
-    return x, (x @ np.arange(8, dtype=np.float32))[:, None]
+arrays = regression_arrays  # The examples of conftest's regression_data, unbatched.
 
 
 def test_arrays_train_as_model_fit_does_with_a_validation_split():
