@@ -73,9 +73,9 @@ def _op_determinism_as_found():
     MaxPool's), so a later test in the same pytest-xdist worker would train without XLA."""
     from tensorflow.python.framework import config as tf_config  # No public switch off.
 
-    from tfmp import keras_compat
+    from tfmp import tf_compat
 
-    was = keras_compat.op_determinism()
+    was = tf_compat.op_determinism()
     yield
     if not was:
         tf_config.disable_op_determinism()

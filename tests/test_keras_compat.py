@@ -178,67 +178,12 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
     )
 
 
-def test_replica_local_updates_count_on_each_replicas_copy_and_put_the_aggregation_back(mirrored):
-    with mirrored.scope():
-        optimizer = keras.optimizers.SGD(0.1)
-        weight = keras.Variable(np.ones(2, np.float32), aggregation="mean")
-    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
-    assert optimizer.iterations.value.aggregation == only_first
-
-    def replica_count():
-        with keras_compat.replica_local_updates([*optimizer.variables, weight]):
-            assert optimizer.iterations.value.aggregation == tf.VariableAggregation.NONE
-            assert weight.value.aggregation == tf.VariableAggregation.MEAN  # Only first-replica ones.
-            optimizer.iterations.assign_add(1)
-
-    mirrored.run(tf.function(replica_count))
-    assert optimizer.iterations.value.aggregation == only_first
-    assert [int(c) for c in mirrored.experimental_local_results(optimizer.iterations.value)] == [1, 1]
-
-
-def test_op_determinism_reads_tensorflows_switch():
-    assert keras_compat.op_determinism() is False
-    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
-    assert keras_compat.op_determinism() is True
-
-
-def test_num_workers_and_loss_tracker(mirrored):
-    """One process: 1 worker (two worker processes read 2: tests/test_loop.py's cluster run,
-    whose metrics.json says workers == 2)."""
-    assert keras_compat.num_workers(mirrored) == 1 and keras_compat.num_workers(tf.distribute.get_strategy()) == 1
+def test_loss_tracker_is_the_metric_fit_reports_as_loss():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
     tracker = keras_compat.loss_tracker(model)
     tracker.update_state(3.0)
     assert float(model.metrics[0].result()) == 3.0 and model.metrics[0] is tracker  # What fit reports as loss.
-
-
-def test_float_ops_counts_a_matmul():
-    graph = (
-        tf.function(lambda a, b: tf.matmul(a, b))
-        .get_concrete_function(tf.TensorSpec((4, 8), tf.float32), tf.TensorSpec((8, 3), tf.float32))
-        .graph
-    )
-    assert keras_compat.float_ops(graph) == 2 * 4 * 8 * 3
-
-
-def test_no_merge_call_inside_replica_local_updates_and_back_after(mirrored):
-    extended = mirrored.extended
-    with keras_compat.replica_local_updates([], mirrored):
-        assert extended._use_merge_call() is False
-    assert "_use_merge_call" not in vars(extended) and extended._use_merge_call() is True
-
-
-def test_each_strategy_gets_keys_of_its_own_once():
-    first, second = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]) for _ in range(2))
-    keras_compat.own_collective_keys(first)
-    keys = keras_compat.collective_group_keys(first)
-    keras_compat.own_collective_keys(first)  # Seen again: unchanged.
-    assert keras_compat.collective_group_keys(first) == keys
-    keras_compat.own_collective_keys(second)
-    third = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # Made after: past both, though tfmp never sees it.
-    assert len({tuple(keras_compat.collective_group_keys(s)) for s in (first, second, third)}) == 3
-    keras_compat.own_collective_keys(tf.distribute.get_strategy())  # Not a MirroredStrategy: nothing to do.
 
 
 def test_paths_looked_up_are_the_built_layers_paths():

@@ -9,7 +9,7 @@ import tensorflow as tf
 from conftest import assert_same, regression, regression_data, weights
 
 import tfmp
-from tfmp import keras_compat
+from tfmp import tf_compat
 
 
 class FailOnReplica1(keras.layers.Layer):
@@ -57,7 +57,7 @@ def test_a_new_mirrored_strategy_after_another_trains_like_one_device(jit_compil
     tfmp.fit(one, regression_data(), epochs=2, verbose=0, jit_compile=jit_compile)
     assert np.isfinite(history.history["loss"]).all()
     assert_same(weights(two), weights(one), atol=1e-4 if jit_compile else 1e-5)
-    assert set(keras_compat.collective_group_keys(first)).isdisjoint(keras_compat.collective_group_keys(second))
+    assert set(tf_compat.collective_group_keys(first)).isdisjoint(tf_compat.collective_group_keys(second))
 
 
 def test_keras_fit_with_wrap_optimizer_under_a_second_strategy():

@@ -12,7 +12,7 @@ from conftest import GPUS
 from tensorflow.python.framework import config as tf_config  # No public switch off.
 
 import tfmp
-from tfmp import keras_compat, loop, xla
+from tfmp import loop, tf_compat, xla
 from tfmp.errors import UsageError
 
 
@@ -107,7 +107,7 @@ def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
 def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
     """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
     XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""
-    monkeypatch.setattr(xla, "probe", lambda *_: "no deterministic kernel" if keras_compat.op_determinism() else None)
+    monkeypatch.setattr(xla, "probe", lambda *_: "no deterministic kernel" if tf_compat.op_determinism() else None)
     monkeypatch.setattr(xla, "_PROBES", {})
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
     refused = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
@@ -268,7 +268,7 @@ def test_autotune_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
 
     monkeypatch.setattr(xla, "measure", never)
     monkeypatch.setattr(xla, "_VERDICTS", {})
-    monkeypatch.setattr(keras_compat, "op_determinism", lambda: True)
+    monkeypatch.setattr(tf_compat, "op_determinism", lambda: True)
     history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0, jit_compile="autotune")
     assert history.params["jit_compile"] is bool(tf.config.list_physical_devices("GPU"))
 

@@ -9,7 +9,7 @@ import os
 import tensorflow as tf
 from absl import logging
 
-from tfmp import keras_compat
+from tfmp import tf_compat
 from tfmp.errors import UsageError, first_line
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
@@ -76,8 +76,8 @@ def _mirrored_strategy():
         )
     if strategy:
         # A second MirroredStrategy in one process (a notebook that trains twice) would
-        # reuse the first one's collective keys (keras_compat.own_collective_keys).
-        keras_compat.own_collective_keys(strategy)
+        # reuse the first one's collective keys (tf_compat.own_collective_keys).
+        tf_compat.own_collective_keys(strategy)
         return strategy
     raise UsageError(
         "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
@@ -125,7 +125,7 @@ def get_strategy(name="auto", tpu=None):
                 "--strategy=multi_worker needs TF_CONFIG naming the cluster and this "
                 "worker's task; see BUILD.md 'Several machines'"
             )
-        keras_compat.broadcast_bfloat16_initial_values()  # bfloat16 weights, however the policy was set.
+        tf_compat.broadcast_bfloat16_initial_values()  # bfloat16 weights, however the policy was set.
         return tf.distribute.MultiWorkerMirroredStrategy()
     return _tpu_strategy(tpu)
 
@@ -144,7 +144,7 @@ def strategy_name(strategy):
 
 def num_workers(strategy):
     """Worker processes (hosts) the strategy spans; 1 for single-process strategies."""
-    return keras_compat.num_workers(strategy)
+    return tf_compat.num_workers(strategy)
 
 
 def is_chief(strategy):

@@ -20,6 +20,7 @@ from tfmp import (
     keras_compat,
     loss_scale,
     precision,
+    tf_compat,
     xla,
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError
@@ -248,7 +249,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
         A dict of floats: `loss` and each metric.
     """
     strategy = strategy or model.distribute_strategy
-    keras_compat.own_collective_keys(strategy)
+    tf_compat.own_collective_keys(strategy)
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     xla.check(jit_compile)
@@ -320,5 +321,5 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
             f"the model was built outside the scope of the {distribute.strategy_name(strategy)} strategy it is "
             "trained under: build and compile it inside `with strategy.scope():`"
         )
-    keras_compat.own_collective_keys(strategy)
+    tf_compat.own_collective_keys(strategy)
     return strategy

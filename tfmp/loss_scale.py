@@ -5,7 +5,7 @@ import tensorflow as tf
 from absl import logging
 from keras import ops
 
-from tfmp import keras_compat, precision
+from tfmp import keras_compat, precision, tf_compat
 from tfmp.errors import UsageError
 
 
@@ -46,7 +46,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             # the collective all-reduce inside the inner optimizer stays matched; the
             # iteration count, which TensorFlow would broadcast from replica 0 with a
             # merge call (refused inside a cond), is counted on each replica's own copy.
-            with keras_compat.replica_local_updates(self.variables):  # The inner optimizer's too.
+            with tf_compat.replica_local_updates(self.variables):  # The inner optimizer's too.
                 ops.cond(
                     finite,
                     lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
@@ -115,7 +115,7 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
         raise UsageError(f"wrap_optimizer: growth_steps must be an integer >= 1, got {growth_steps}")
     # Called in a strategy's scope before compile: the keys are the strategy's own before
     # model.fit (or tfmp.fit) traces its first collective.
-    keras_compat.own_collective_keys(tf.distribute.get_strategy())
+    tf_compat.own_collective_keys(tf.distribute.get_strategy())
     if isinstance(optimizer, LossScaleOptimizer):
         return optimizer
     keras_wrapper = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)

@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, cpuinfo, keras_compat
+from tfmp import bf16, cpuinfo, keras_compat, tf_compat
 from tfmp.errors import UsageError
 
 POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8", "bfloat16")
@@ -221,7 +221,7 @@ def apply_policy(decision):
         logging.warning(decision.warning)
     if decision.policy == "bfloat16":
         bf16.warn_if_nearest(_bf16["rounding"])
-        keras_compat.broadcast_bfloat16_initial_values()  # Several workers can make its variables.
+        tf_compat.broadcast_bfloat16_initial_values()  # Several workers can make its variables.
     policy = keras.DTypePolicy(FLOAT8_BASE) if decision.policy == "float8" else decision.policy
     keras.config.set_dtype_policy(policy)
     _float8[0] = policy if decision.policy == "float8" else None

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import keras_compat
+from tfmp import tf_compat
 from tfmp.errors import UsageError
 
 
@@ -26,4 +26,4 @@ def set_seed(seed, deterministic=False):
     keras.utils.set_random_seed(int(seed))  # python `random`, numpy and TensorFlow.
     if deterministic:
         tf.config.experimental.enable_op_determinism()
-    logging.info("Seed %d (op determinism %s)", seed, "on" if keras_compat.op_determinism() else "off")
+    logging.info("Seed %d (op determinism %s)", seed, "on" if tf_compat.op_determinism() else "off")

@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed, xla
+from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed, tf_compat, xla
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
@@ -334,7 +334,7 @@ class Steps:
         # own copies, from the same reduced gradients, so the copies stay equal.
         local = self._split and self.jit_compile
         with (
-            keras_compat.replica_local_updates(self._applier.variables, self.strategy)
+            tf_compat.replica_local_updates(self._applier.variables, self.strategy)
             if local
             else contextlib.nullcontext()
         ):

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import decisions, distribute, gradients, keras_compat, timing
+from tfmp import decisions, distribute, gradients, keras_compat, tf_compat, timing
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", "autotune", True, False)
@@ -179,7 +179,7 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(element_spec)):
         steps.compile(False)
         return False, "the inputs are not all dense tensors (ragged or sparse)"
-    ruled = jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or keras_compat.op_determinism()
+    ruled = jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or tf_compat.op_determinism()
     if jit_compile is not True and ruled:  # The rule's answer stands unless XLA cannot compile the model.
         use, why = _rule(steps, jit_compile)
         if not use:
@@ -244,7 +244,7 @@ def _fingerprint(steps, batches):
         distribute.strategy_name(steps.strategy),
         steps.strategy.num_replicas_in_sync,
         type(steps.optimizer).__name__,
-        keras_compat.op_determinism(),
+        tf_compat.op_determinism(),
     )
 
 

@@ -6,7 +6,7 @@ import time
 
 import tensorflow as tf
 
-from tfmp import data, keras_compat, precision
+from tfmp import data, precision, tf_compat
 from tfmp.app import models
 
 
@@ -83,7 +83,7 @@ def flops_per_example(model):
     """Training FLOPs per example: the forward pass at batch 1, counted by the TF profiler, times 3."""
     spec = tf.TensorSpec((1, *model.inputs[0].shape[1:]), model.inputs[0].dtype)
     graph = tf.function(lambda x: model(x, training=False)).get_concrete_function(spec).graph
-    return 3 * keras_compat.float_ops(graph)  # Backward is about twice the forward.
+    return 3 * tf_compat.float_ops(graph)  # Backward is about twice the forward.
 
 
 def memory_bytes():

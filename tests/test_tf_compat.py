@@ -1,0 +1,66 @@
+"""The TensorFlow internals tfmp relies on (tfmp/tf_compat.py), a test per behaviour: a
+TensorFlow release that changes one of them fails here, by name."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfmp import tf_compat
+
+
+def test_replica_local_updates_count_on_each_replicas_copy_and_put_the_aggregation_back(mirrored):
+    with mirrored.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+        weight = keras.Variable(np.ones(2, np.float32), aggregation="mean")
+    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    assert optimizer.iterations.value.aggregation == only_first
+
+    def replica_count():
+        with tf_compat.replica_local_updates([*optimizer.variables, weight]):
+            assert optimizer.iterations.value.aggregation == tf.VariableAggregation.NONE
+            assert weight.value.aggregation == tf.VariableAggregation.MEAN  # Only first-replica ones.
+            optimizer.iterations.assign_add(1)
+
+    mirrored.run(tf.function(replica_count))
+    assert optimizer.iterations.value.aggregation == only_first
+    assert [int(c) for c in mirrored.experimental_local_results(optimizer.iterations.value)] == [1, 1]
+
+
+def test_op_determinism_reads_tensorflows_switch():
+    assert tf_compat.op_determinism() is False
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    assert tf_compat.op_determinism() is True
+
+
+def test_num_workers(mirrored):
+    """One process: 1 worker (two worker processes read 2: tests/test_loop.py's cluster run,
+    whose metrics.json says workers == 2)."""
+    assert tf_compat.num_workers(mirrored) == 1 and tf_compat.num_workers(tf.distribute.get_strategy()) == 1
+
+
+def test_float_ops_counts_a_matmul():
+    graph = (
+        tf.function(lambda a, b: tf.matmul(a, b))
+        .get_concrete_function(tf.TensorSpec((4, 8), tf.float32), tf.TensorSpec((8, 3), tf.float32))
+        .graph
+    )
+    assert tf_compat.float_ops(graph) == 2 * 4 * 8 * 3
+
+
+def test_no_merge_call_inside_replica_local_updates_and_back_after(mirrored):
+    extended = mirrored.extended
+    with tf_compat.replica_local_updates([], mirrored):
+        assert extended._use_merge_call() is False
+    assert "_use_merge_call" not in vars(extended) and extended._use_merge_call() is True
+
+
+def test_each_strategy_gets_keys_of_its_own_once():
+    first, second = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]) for _ in range(2))
+    tf_compat.own_collective_keys(first)
+    keys = tf_compat.collective_group_keys(first)
+    tf_compat.own_collective_keys(first)  # Seen again: unchanged.
+    assert tf_compat.collective_group_keys(first) == keys
+    tf_compat.own_collective_keys(second)
+    third = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])  # Made after: past both, though tfmp never sees it.
+    assert len({tuple(tf_compat.collective_group_keys(s)) for s in (first, second, third)}) == 3
+    tf_compat.own_collective_keys(tf.distribute.get_strategy())  # Not a MirroredStrategy: nothing to do.

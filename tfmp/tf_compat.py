@@ -1,0 +1,149 @@
+"""Uses of TensorFlow internals, in one place, each with a test in tests/test_tf_compat.py:
+a release that changes one of them fails the test named after it.
+
+TensorFlow keeps private a strategy's worker count, whether op determinism is on,
+MirroredStrategy's collective keys (tfmp gives each strategy its own), a variable's
+aggregation and the no-merge-call switch (set aside while tfmp's loss-scale cond counts an
+update where no merge call may run), the collective broadcast of a new variable's initial
+value (which takes no bfloat16), and the FLOP profiler the bench uses. The uses of Keras'
+internals are in tfmp.keras_compat.
+"""
+
+import contextlib
+import weakref
+
+import tensorflow as tf
+
+_KEY_STRIDE = 100000  # Group keys one MirroredStrategy may take (one per device set it reduces over).
+_keyed = weakref.WeakSet()  # The MirroredStrategies given keys of their own.
+
+
+def own_collective_keys(strategy):
+    """Gives a `MirroredStrategy` collective keys that no other strategy of this process
+    has used, once; other strategies are left as they are.
+
+    Every MirroredStrategy numbers its collective groups from its class's
+    `_collective_key_base` (0 unless a test moves it) and its instances from 100, and
+    TensorFlow's runtime keeps what it learnt of each (group, instance) pair, shapes
+    included, for the life of the process. A second strategy (a notebook that trains two
+    models) reuses the first one's keys and fails with "Shape mismatch in the collective
+    instance 100" (tensorflow/tensorflow#62790). Its collective ops are remade from a fresh
+    base here, before anything is traced with them, and the class's base is moved past it
+    so that a strategy made later, even one tfmp never sees, starts elsewhere too.
+    """
+    if not isinstance(strategy, tf.distribute.MirroredStrategy) or strategy in _keyed:
+        return
+    extended = strategy.extended
+    old = getattr(extended, "_collective_ops", None)
+    if old is None or not hasattr(extended, "_make_collective_ops_with_fallbacks"):
+        return
+    mirrored = tf.distribute.MirroredStrategy
+    base = max(mirrored._collective_key_base, extended._collective_key_base) + _KEY_STRIDE  # noqa: SLF001
+    mirrored._collective_key_base = base + _KEY_STRIDE  # noqa: SLF001
+    extended._collective_key_base = base  # noqa: SLF001
+    extended._collective_ops = extended._make_collective_ops_with_fallbacks()  # noqa: SLF001
+    if extended._cross_device_ops is old:  # noqa: SLF001
+        extended._cross_device_ops = extended._collective_ops  # noqa: SLF001
+    _keyed.add(strategy)
+
+
+def collective_group_keys(strategy):
+    """The group keys a MirroredStrategy's collective all-reduce uses (for tests)."""
+    return sorted(strategy.extended._collective_keys._known_groups.values())  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def replica_local_updates(variables, strategy=None):
+    """Inside the block, updates in replica context of those of `variables` that a strategy
+    broadcasts from its first replica (an optimizer's iteration count) go to each replica's
+    own copy instead. TensorFlow broadcasts them with a merge call even where the strategy
+    makes none (XLA on GPUs), and refuses a merge call inside a `cond` branch; tfmp's
+    loss-scale `cond` updates the count with every replica on the same branch and the copies
+    equal, so each adding its own increment leaves them equal. Tracing only: the variables'
+    aggregation is put back at the end of the block.
+
+    With `strategy`, its replicas also make no merge call inside the block, as under XLA on
+    GPUs (TensorFlow's own no-merge-call branch): each variable update goes to the replica's
+    own copy (`MirroredExtended._replica_ctx_update`). tfmp traces its XLA update function
+    so: a merge call cannot run inside a function called per replica.
+    """
+    only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
+    changed = []
+    for variable in variables:
+        value = getattr(variable, "value", variable)  # A Keras variable's tf.Variable.
+        if getattr(value, "_aggregation", None) == only_first:
+            changed.append(value)
+    extended = strategy.extended if strategy is not None else None
+    own = extended is not None and "_use_merge_call" in vars(extended)
+    previous = vars(extended).get("_use_merge_call") if extended is not None else None
+    try:
+        for value in changed:
+            value._aggregation = tf.VariableAggregation.NONE  # noqa: SLF001
+        if extended is not None:
+            extended._use_merge_call = lambda: False  # noqa: SLF001
+        yield
+    finally:
+        for value in changed:
+            value._aggregation = only_first  # noqa: SLF001
+        if extended is not None:
+            if own:
+                extended._use_merge_call = previous  # noqa: SLF001
+            else:
+                del extended._use_merge_call  # Back to the class's.
+
+
+def broadcast_bfloat16_initial_values():
+    """Lets MultiWorkerMirroredStrategy make bfloat16 variables (weights, slots, Kahan
+    buffers: `tfmp.bf16`); once per process, every strategy of that class at once.
+
+    The strategy sends each new variable's initial value from the chief to the other
+    workers by a collective broadcast, and TensorFlow's `CollectiveBcastSend` takes no
+    bfloat16 (bool, float, half, double, int32, int64 only): building a bfloat16 model under
+    it fails. A bfloat16 value crosses as float32 here (exact both ways) and is cast back;
+    every other variable is made as before."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car  # noqa: PLC0415 - private, here only.
+
+    extended = car.CollectiveAllReduceExtended
+    original = getattr(extended, "_get_variable_creator_initial_value", None)
+    if original is None or getattr(original, "tfmp_bfloat16", False):
+        return
+
+    def initial_value(self, replica_id, device, primary_var, **kwargs):
+        dtype = kwargs.get("dtype")
+        if replica_id != 0 or dtype is None or tf.as_dtype(dtype) != tf.bfloat16:
+            return original(self, replica_id=replica_id, device=device, primary_var=primary_var, **kwargs)
+        value = kwargs["initial_value"]
+
+        def as_float32():
+            given = value() if callable(value) else value
+            return tf.cast(getattr(given, "wrapped_value", given), tf.float32)  # A checkpoint's initial value too.
+
+        kwargs.update(initial_value=as_float32, dtype=tf.float32)
+        sent = original(self, replica_id=0, device=device, primary_var=None, **kwargs)
+        return lambda: tf.cast(sent() if callable(sent) else sent, tf.bfloat16)
+
+    initial_value.tfmp_bfloat16 = True
+    extended._get_variable_creator_initial_value = initial_value  # noqa: SLF001
+
+
+def op_determinism():
+    """Whether `tf.config.experimental.enable_op_determinism()` is on (TensorFlow has no
+    public getter)."""
+    from tensorflow.python.framework import config as tf_config  # noqa: PLC0415 - private, here only.
+
+    return tf_config.is_op_determinism_enabled()
+
+
+def num_workers(strategy):
+    """Worker processes (hosts) `strategy` spans: 1 for single-process strategies (TensorFlow
+    keeps the count in a private attribute of the strategy's extended object)."""
+    return getattr(strategy.extended, "_num_workers", 1)
+
+
+def float_ops(graph):
+    """The floating-point operations TensorFlow's (v1, non-public) profiler counts in `graph`."""
+    from tensorflow.python.profiler import model_analyzer, option_builder  # noqa: PLC0415 - private, here only.
+
+    options = option_builder.ProfileOptionBuilder.float_operation()
+    options["output"] = "none"
+    return model_analyzer.profile(graph, options=options).total_float_ops
