@@ -14,7 +14,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, distribute, float8, fused, gradients, keras_compat, packed, tf_compat, xla
+from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, keras_compat, packed, tf_compat, xla
 
 # What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
@@ -69,6 +69,7 @@ class Steps:
         self.scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
         self.variables = list(model.trainable_variables)
         self._state = [float8.is_state(v) for v in self.variables]  # Set, not learnt: see tfmp.float8.
+        self._crossing = crossing.Crossing(self._state)  # What crosses replicas, and back.
         self.applied = []  # Indices of the variables that get gradients (set when tracing).
         if not self.optimizer.built:  # Its slots must exist before a step traces a cond around them.
             with strategy.scope():
@@ -243,53 +244,6 @@ class Steps:
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
         return grads, tf.add_n(losses) / len(losses)
 
-    def _weights(self):
-        """Positions among the applied gradients of the weights' (float8 state is no gradient)."""
-        return [k for k, i in enumerate(self.applied) if not self._state[i]]
-
-    def _kinds(self, grads):
-        """Positions in `grads` of: dense weight gradients (summed over replicas as one
-        packed vector), sparse ones (all-gathered) and float8 state (the maximum)."""
-        state = [k for k, i in enumerate(self.applied) if self._state[i]]
-        weights = self._weights()
-        sparse = [k for k in weights if isinstance(grads[k], tf.IndexedSlices)]
-        return [k for k in weights if k not in sparse], sparse, state
-
-    def _pack(self, grads):
-        """(one float32 vector of the dense gradients, one of the float8 state, the sparse
-        gradients): what crosses replicas."""
-        dense, sparse, state = self._kinds(grads)
-
-        def flat(positions):
-            parts = [tf.reshape(tf.cast(grads[k], tf.float32), [-1]) for k in positions]
-            return tf.concat(parts, 0) if parts else tf.zeros([0])
-
-        return flat(dense), flat(state), [grads[k] for k in sparse]
-
-    def _unpack(self, dense_flat, state_flat, sparse):
-        """The gradient list `_pack` packed (its shapes and dtypes as traced)."""
-        grads = [None] * len(self.applied)
-        dense, sparse_at, state = self._kinds(self._traced)
-        for positions, flat in ((dense, dense_flat), (state, state_flat)):
-            sizes = [self._traced[k].shape.num_elements() for k in positions]
-            for k, part in zip(positions, tf.split(flat, sizes) if sizes else [], strict=True):
-                grads[k] = tf.cast(tf.reshape(part, self._traced[k].shape), self._traced[k].dtype)
-        for k, g in zip(sparse_at, sparse, strict=True):
-            grads[k] = g
-        return grads
-
-    def _all_reduce(self, dense_flat, state_flat, sparse):
-        """The sum over replicas of the dense and sparse gradients (IndexedSlices are
-        all-gathered, not densified); the maximum of the float8 state."""
-        context = tf.distribute.get_replica_context()
-        if dense_flat.shape[0]:  # An empty collective crashes some implementations.
-            dense_flat = context.all_reduce(tf.distribute.ReduceOp.SUM, dense_flat)
-        if sparse:
-            sparse = context.all_reduce(tf.distribute.ReduceOp.SUM, sparse)
-        if state_flat.shape[0]:
-            state_flat = tf.reduce_max(context.all_gather(state_flat[tf.newaxis], axis=0), axis=0)
-        return dense_flat, state_flat, sparse
-
     def _unscale_and_check(self, grads):
         """(gradients with one row per index, their global norm unscaled, per-variable
         finiteness). One pass over each gradient gives both: its sum of squares, finite
@@ -298,7 +252,8 @@ class Steps:
         grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
         squares = tf.stack([gradients.half_squares(g) for g in grads])
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
-        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, tf.constant(self._weights(), tf.int32)))) / scale
+        weights = tf.constant(self._crossing.weights(self.applied), tf.int32)
+        grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, weights))) / scale
         return grads, grad_norm, tf.math.is_finite(squares)
 
     def _clip(self, grads, grad_norm):
@@ -321,13 +276,9 @@ class Steps:
                 object.__setattr__(self._applier, "all_finite", None)
         return grad_norm, finite
 
-    def _trace(self, grads):
-        self._traced = grads  # What `_unpack` rebuilds: shapes, dtypes, kinds (set when tracing).
-        return grads
-
     def _compute_stage(self, batches):
         grads, loss = self._gradients_stage(batches)
-        return (*self._pack(self._trace(grads)), loss)
+        return (*self._crossing.pack(grads, self.applied), loss)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
         # Under XLA no merge call can run inside this function: each replica updates its
@@ -338,14 +289,14 @@ class Steps:
             if local
             else contextlib.nullcontext()
         ):
-            return self._apply_reduced(self._unpack(dense_flat, state_flat, sparse))
+            return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
 
     def _replica_update(self, batches):
         if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
             grads, loss = self._gradients_stage(batches)
             return (loss, *self._apply_reduced(grads))
-        *crossing, loss = self._compute(batches)
-        return (loss, *self._apply(*self._all_reduce(*crossing)))
+        *sent, loss = self._compute(batches)
+        return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches):
         """One update from `batches`; returns its (loss, grad_norm, finite) per replica."""

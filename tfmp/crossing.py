@@ -1,0 +1,70 @@
+"""What crosses replicas in one update, and the gradients rebuilt from it: the dense weight
+gradients packed into one float32 vector and summed, the sparse ones (`tf.IndexedSlices`)
+all-gathered, float8's state (`tfmp.float8`) as its maximum over replicas."""
+
+import tensorflow as tf
+
+
+class Crossing:
+    """Packs, all-reduces and unpacks the gradients of one model's trained variables.
+
+    The positions are among the applied gradients: those of `applied`, the indices of the
+    variables that got one (known when the step traces).
+
+    Args:
+        is_state: per trainable variable, whether it is float8 state (set, not learnt).
+    """
+
+    def __init__(self, is_state):
+        self._state = is_state
+        self._traced = None  # The gradients last packed: their shapes, dtypes and kinds.
+
+    def weights(self, applied):
+        """Positions of the weights' gradients (float8 state is no gradient)."""
+        return [k for k, i in enumerate(applied) if not self._state[i]]
+
+    def _kinds(self, grads, applied):
+        """Positions in `grads` of: dense weight gradients (summed over replicas as one
+        packed vector), sparse ones (all-gathered) and float8 state (the maximum)."""
+        state = [k for k, i in enumerate(applied) if self._state[i]]
+        weights = self.weights(applied)
+        sparse = [k for k in weights if isinstance(grads[k], tf.IndexedSlices)]
+        return [k for k in weights if k not in sparse], sparse, state
+
+    def pack(self, grads, applied):
+        """(one float32 vector of the dense gradients, one of the float8 state, the sparse
+        gradients): what crosses replicas. Called while tracing."""
+        self._traced = grads
+        dense, sparse, state = self._kinds(grads, applied)
+
+        def flat(positions):
+            parts = [tf.reshape(tf.cast(grads[k], tf.float32), [-1]) for k in positions]
+            return tf.concat(parts, 0) if parts else tf.zeros([0])
+
+        return flat(dense), flat(state), [grads[k] for k in sparse]
+
+    @staticmethod
+    def all_reduce(dense_flat, state_flat, sparse):
+        """The sum over replicas of the dense and sparse gradients (IndexedSlices are
+        all-gathered, not densified); the maximum of the float8 state. In replica context."""
+        context = tf.distribute.get_replica_context()
+        if dense_flat.shape[0]:  # An empty collective crashes some implementations.
+            dense_flat = context.all_reduce(tf.distribute.ReduceOp.SUM, dense_flat)
+        if sparse:
+            sparse = context.all_reduce(tf.distribute.ReduceOp.SUM, sparse)
+        if state_flat.shape[0]:
+            state_flat = tf.reduce_max(context.all_gather(state_flat[tf.newaxis], axis=0), axis=0)
+        return dense_flat, state_flat, sparse
+
+    def unpack(self, dense_flat, state_flat, sparse, applied):
+        """The gradient list `pack` packed (its shapes and dtypes as traced)."""
+        traced = self._traced
+        grads = [None] * len(applied)
+        dense, sparse_at, state = self._kinds(traced, applied)
+        for positions, flat in ((dense, dense_flat), (state, state_flat)):
+            sizes = [traced[k].shape.num_elements() for k in positions]
+            for k, part in zip(positions, tf.split(flat, sizes) if sizes else [], strict=True):
+                grads[k] = tf.cast(tf.reshape(part, traced[k].shape), traced[k].dtype)
+        for k, g in zip(sparse_at, sparse, strict=True):
+            grads[k] = g
+        return grads
