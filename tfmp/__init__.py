@@ -16,6 +16,7 @@ _EXPORTS = {
     "BatchPlan": "tfmp.distribute",
     "get_strategy": "tfmp.distribute",
     "plan_batch": "tfmp.distribute",
+    "Interrupted": "tfmp.errors",
     "PeerLost": "tfmp.errors",
     "Preempted": "tfmp.errors",
     "TrainingError": "tfmp.errors",

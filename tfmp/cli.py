@@ -130,9 +130,13 @@ def _importing(frame):
 def user_errors(prog):
     """Ends the process with one line on stderr, no traceback, for the errors a user can act
     on: `UsageError` (exit 2), `TrainingError` (exit 1), `Preempted` (exit 75: rerun),
-    `PeerLost` (exit 76: another worker died; rerun)."""
+    `PeerLost` (exit 76: another worker died; rerun), Ctrl-C (exit 130, as a shell's 128 +
+    SIGINT; `Interrupted` says which checkpoint training saved)."""
     try:
         yield
+    except KeyboardInterrupt as e:
+        print(f"{prog}: interrupted: {str(e) or 'Ctrl-C'}", file=sys.stderr, flush=True)
+        sys.exit(130)
     except UsageError as e:
         error(prog, e)
     except TrainingError as e:

@@ -33,5 +33,10 @@ class Preempted(RuntimeError):
     """SIGTERM arrived; a checkpoint was saved. Exit status 75 (temporary failure: rerun)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `tfmp.fit` with a checkpoint directory; a checkpoint was saved. A
+    KeyboardInterrupt, as Ctrl-C is elsewhere; exit status 130 from the command line."""
+
+
 class PeerLost(RuntimeError):
     """Another worker of the job died or stopped answering: exit status 76 (rerun to resume)."""

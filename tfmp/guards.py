@@ -1,15 +1,18 @@
-"""What `tfmp.fit` does when the run is interrupted: SIGTERM, preemption notices, lost peers."""
+"""What `tfmp.fit` does when the run is interrupted: SIGTERM, Ctrl-C, preemption notices, lost peers."""
 
 import contextlib
+import os
 import re
 import signal
+import sys
 import threading
 
 import tensorflow as tf
 
 from tfmp import distribute
-from tfmp.errors import SIGTERM_RECEIVED, Preempted
+from tfmp.errors import SIGTERM_RECEIVED, Interrupted, Preempted
 
+_CTRL_C_LINE = b"\nCtrl-C: saving a checkpoint after this update (Ctrl-C again stops at once)\n"
 # What a collective op raises when another worker dies or its heartbeats stop.
 PEER_ERRORS = (
     tf.errors.UnavailableError,
@@ -29,19 +32,55 @@ def peer_message(error, saver):
     return f"{who} stopped answering ({type(error).__name__}); {kept}; rerun the job to resume"
 
 
+class Stop:
+    """What asked training to stop after the update under way: SIGTERM or Ctrl-C, or nothing yet."""
+
+    def __init__(self):
+        self.cause = None
+
+    def set(self, cause):
+        self.cause = self.cause or cause
+
+    def is_set(self):
+        return self.cause is not None
+
+    def error(self, step, directory):
+        """The exception to raise once the checkpoint at batch `step` is saved in `directory`."""
+        kind = Interrupted if self.cause == "Ctrl-C" else Preempted
+        return kind(f"{self.cause} at batch {step}: checkpoint saved in {directory}; rerun the same command to resume")
+
+
 @contextlib.contextmanager
-def sigterm_sets(event, active):
-    """While active, SIGTERM sets `event` instead of killing the process (main thread only)."""
+def signals_set(stop, active):
+    """While active, SIGTERM and a first Ctrl-C (SIGINT) set `stop` instead of ending the
+    process, so that training saves a checkpoint after the update under way. A second
+    Ctrl-C interrupts at once, as Python does. Main thread only; SIGINT only where Python's
+    own handler has it (not where a program handles it itself)."""
     if not active or threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, lambda *_: event.set())
+    previous_int = signal.getsignal(signal.SIGINT)
+    trap_int = previous_int is signal.default_int_handler
+
+    def on_interrupt(signum, frame):
+        stop.set("Ctrl-C")
+        signal.signal(signal.SIGINT, previous_int)  # The next Ctrl-C: at once.
+        # os.write to sys.stderr's descriptor (train.py's is not fd 2): a print here could
+        # re-enter a print under way. A stream without one (a notebook's) is left alone.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.write(sys.stderr.fileno(), _CTRL_C_LINE)
+
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set("SIGTERM"))
+    if trap_int:
+        signal.signal(signal.SIGINT, on_interrupt)
     if SIGTERM_RECEIVED.is_set():  # Came before training, its exception lost: stop at the first step.
-        event.set()
+        stop.set("SIGTERM")
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if trap_int:
+            signal.signal(signal.SIGINT, previous_int)
 
 
 def preemption_handler(strategy, saver):

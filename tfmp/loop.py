@@ -65,7 +65,8 @@ def fit(
     then clipped by their global norm (`clipnorm`), then applied; an overflow on any
     replica skips the update on all (loss scaling with tfmp's `LossScaleOptimizer`, which
     replaces Keras' own); gradient accumulation and several workers work (both fail in
-    Keras 3); checkpoints resume exactly; SIGTERM saves and raises `Preempted`; a
+    Keras 3); checkpoints resume exactly; SIGTERM and Ctrl-C save after the update under
+    way and raise `Preempted` and `Interrupted` (a second Ctrl-C stops at once); a
     non-finite loss that no loss scale absorbs raises `TrainingError` naming the culprit.
 
     Args:
@@ -142,6 +143,8 @@ def fit(
             arguments with a dataset among them, with what to do with it instead).
         TrainingError: a non-finite loss that no loss scale absorbs, or a failed save.
         Preempted: SIGTERM arrived; a checkpoint was saved (with `checkpoint_dir`).
+        Interrupted: Ctrl-C (a `KeyboardInterrupt`); a checkpoint was saved (with
+            `checkpoint_dir`; without one, Ctrl-C raises Python's own KeyboardInterrupt).
 
     Example:
         >>> with strategy.scope():

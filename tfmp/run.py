@@ -3,7 +3,6 @@ loop, reading each update's results one update behind, callbacks, checkpoints, m
 and guards."""
 
 import os
-import threading
 import typing
 
 import keras
@@ -11,7 +10,7 @@ import tensorflow as tf
 
 from tfmp import callbacks as tfmp_callbacks
 from tfmp import doctor, guards, inputs, loss_scale
-from tfmp.errors import Preempted, TrainingError, first_line
+from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
 
@@ -71,12 +70,12 @@ class Run:
         self.step = step
         self.monitor = self._monitor(step)
         iterator = source.stream(epoch * source.period + offset) if source.streamed else None
-        stop, handler = threading.Event(), guards.preemption_handler(steps.strategy, self.saver)
+        stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
         model.stop_training = False
         self.callbacks.on_train_begin()
         epoch_logs = {}
-        with guards.sigterm_sets(stop, self.saver is not None and handler is None):
-            while epoch < epochs and not model.stop_training:
+        with guards.signals_set(stop, self.saver is not None and handler is None):
+            while epoch < epochs and not model.stop_training and not stop.is_set():
                 model.reset_metrics()
                 self.callbacks.on_epoch_begin(epoch)
                 if not source.streamed:
@@ -97,6 +96,8 @@ class Run:
                 if self.saver is not None and not model.stop_training:
                     self._save(epoch, epoch * source.period if source.streamed else 0)
                 self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
+            if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
+                raise stop.error(self.step, self.saver.directory)
         if self.monitor is not None:
             self.monitor.flush()
         self.callbacks.on_train_end(epoch_logs)
@@ -142,12 +143,9 @@ class Run:
                 self.saver.epoch.assign(epoch)
                 self.saver.position.assign(position)
                 handler.save_checkpoint_if_preempted(checkpoint_number=self.step)
-            if stop.is_set():
+            if stop.is_set():  # SIGTERM or Ctrl-C.
                 self._save(epoch, position)
-                raise Preempted(
-                    f"SIGTERM at batch {self.step}: checkpoint saved in {self.saver.directory}; rerun the same "
-                    "command to resume"
-                )
+                raise stop.error(self.step, self.saver.directory)
             if due:
                 self._save(epoch, position)
             if model.stop_training:

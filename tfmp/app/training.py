@@ -175,6 +175,7 @@ def _train_and_evaluate(config, out, cleanup):
         UsageError: for a bad setting, before training starts.
         TrainingError: training had to stop (non-finite values, a failed save).
         Preempted: SIGTERM arrived; a checkpoint was saved.
+        Interrupted: Ctrl-C while training; a checkpoint was saved.
     """
     validate(config)
     say = lambda line: print(line, file=out, flush=True)  # noqa: E731
