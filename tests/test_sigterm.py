@@ -138,19 +138,3 @@ def test_preempted_inside_a_keras_layer_still_exits_75_with_one_line(capsys):
         Interrupted()(np.zeros((2, 3), "float32"))
     assert exit_info.value.code == 75
     assert capsys.readouterr().err.strip() == "train.py: preempted: SIGTERM outside training"
-
-
-def test_ctrl_c_exits_130_with_one_line(capsys):
-    from tfmp import cli
-    from tfmp.errors import Interrupted
-
-    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
-        raise Interrupted("Ctrl-C at batch 3: checkpoint saved in runs/x/checkpoints; rerun the same command to resume")
-    assert exit_info.value.code == 130
-    assert capsys.readouterr().err.strip() == (
-        "train.py: interrupted: Ctrl-C at batch 3: checkpoint saved in runs/x/checkpoints; rerun the same command to "
-        "resume"
-    )
-    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
-        raise KeyboardInterrupt  # Outside training, or a second Ctrl-C.
-    assert exit_info.value.code == 130 and capsys.readouterr().err.strip() == "train.py: interrupted: Ctrl-C"

@@ -1,0 +1,95 @@
+"""SIGTERM and Ctrl-C during `tfmp.fit` with a checkpoint directory: a checkpoint after the
+update under way (or the epoch's end), then `tfmp.Preempted` or `tfmp.Interrupted`, from
+which a rerun resumes exactly; a second Ctrl-C stops at once; train.py's one line for Ctrl-C.
+(SIGTERM at any moment of a train.py process: tests/test_sigterm.py.)"""
+
+import os
+import signal
+
+import keras
+import pytest
+from conftest import assert_same, regression, regression_data, weights
+
+import tfmp
+from tfmp import cli
+from tfmp.errors import Interrupted
+
+
+def test_sigterm_saves_and_raises_preempted(tmp_path):
+    class Terminate(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    model = regression()
+    with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
+        tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), callbacks=[Terminate()], verbose=0)
+    assert (tmp_path / "ckpt-3.index").exists()
+    resumed = regression()
+    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    unbroken = regression()
+    tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
+    assert_same(weights(resumed), weights(unbroken), atol=0)
+
+
+def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path, capfd):
+    class CtrlC(keras.callbacks.Callback):
+        def __init__(self, times):
+            super().__init__()
+            self.times = times
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+
+    model = regression()
+    with pytest.raises(tfmp.Interrupted, match="Ctrl-C at batch 3: checkpoint saved") as raised:
+        tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), callbacks=[CtrlC(1)], verbose=0)
+    assert isinstance(raised.value, KeyboardInterrupt)
+    assert "Ctrl-C: saving a checkpoint after this update" in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again.
+    assert (tmp_path / "ckpt-3.index").exists()
+    resumed = regression()
+    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    unbroken = regression()
+    tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
+    assert_same(weights(resumed), weights(unbroken), atol=0)
+    # Twice: the second is Python's KeyboardInterrupt, where it lands (here, in the callback).
+    again = tmp_path / "again"
+    with pytest.raises(KeyboardInterrupt) as raised:
+        tfmp.fit(regression(), regression_data(), epochs=2, checkpoint_dir=str(again), callbacks=[CtrlC(2)], verbose=0)
+    assert not isinstance(raised.value, tfmp.Interrupted) and not list(again.glob("ckpt-3*"))
+
+
+def test_ctrl_c_in_validation_stops_after_the_epochs_save(tmp_path):
+    class CtrlC(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            if batch == 0:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    model = regression()
+    with pytest.raises(tfmp.Interrupted, match="Ctrl-C at batch 8: checkpoint saved"):
+        tfmp.fit(
+            model,
+            regression_data(),
+            validation_data=regression_data(),
+            epochs=3,
+            checkpoint_dir=str(tmp_path),
+            callbacks=[CtrlC()],
+            verbose=0,
+        )
+    assert int(model.optimizer.iterations.numpy()) == 8 and (tmp_path / "ckpt-8.index").exists()
+
+
+def test_ctrl_c_exits_130_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
+        raise Interrupted("Ctrl-C at batch 3: checkpoint saved in runs/x/checkpoints; rerun the same command to resume")
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip() == (
+        "train.py: interrupted: Ctrl-C at batch 3: checkpoint saved in runs/x/checkpoints; rerun the same command to "
+        "resume"
+    )
+    with pytest.raises(SystemExit) as exit_info, cli.user_errors("train.py"):
+        raise KeyboardInterrupt  # Outside training, or a second Ctrl-C.
+    assert exit_info.value.code == 130 and capsys.readouterr().err.strip() == "train.py: interrupted: Ctrl-C"
