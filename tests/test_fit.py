@@ -199,7 +199,7 @@ def _overrides_train_step():
         (_uncompiled, regression_data, {}, "compiled model"),
         (_overrides_train_step, regression_data, {}, "overrides train_step"),
         (regression, lambda: np.zeros((4, 8)), {}, "data holds inputs only: give the targets too"),
-        (regression, lambda: "data.csv", {}, "tf.data.Dataset or a callable"),
+        (regression, lambda: "data.csv", {}, "tf.data.Dataset, a callable"),
         (regression, lambda: regression_data().map(lambda x, y: (x[:, :4], y)), {}, "input"),
         (regression, lambda: regression_data().map(lambda x, y: ((x, x), y)), {}, "takes 1 input"),
         (regression, lambda: regression_data().map(lambda x, y: x), {}, "no targets"),

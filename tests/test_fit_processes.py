@@ -86,11 +86,13 @@ def test_two_worker_processes_match_one_process(tmp_path):
         assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))
 
 
-def test_arrays_on_two_worker_processes_match_one_process(tmp_path, monkeypatch):
-    """model.fit's arrays (shuffled by tfmp, a validation split) under two workers: each
-    worker shuffles alike (one seed) and trains on its half of each global batch."""
-    monkeypatch.setenv("USER_SCRIPT_ARRAYS", "1")  # For the workers start_workers starts.
-    run(tmp_path / "one.npz", "-", 0, 0, env={**ENV, "USER_SCRIPT_ARRAYS": "1"})
+@pytest.mark.parametrize("kind", ["arrays", "pydataset"])
+def test_arrays_and_py_datasets_on_two_worker_processes_match_one_process(tmp_path, monkeypatch, kind):
+    """model.fit's arrays (shuffled by tfmp, a validation split), or a PyDataset (its batch
+    order shuffled by tfmp), under two workers: each worker shuffles alike (one seed) and
+    trains on its half of each global batch."""
+    monkeypatch.setenv("USER_SCRIPT_DATA", kind)  # For the workers start_workers starts.
+    run(tmp_path / "one.npz", "-", 0, 0, env={**ENV, "USER_SCRIPT_DATA": kind})
     results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))
     for code, _, err in results:
         assert code == 0, err[-3000:]

@@ -29,7 +29,7 @@ def first(batch):
         (numbered().repeat(), None, "repeats without end: give steps_per_epoch"),
         (lambda context: numbered(), None, "data as a callable needs steps_per_epoch"),
         (lambda context: np.ones(3), 4, "must return a tf.data.Dataset, got ndarray"),
-        ("data.csv", 4, r"a tf.data.Dataset or a callable input_context -> dataset, got str \(arrays go as"),
+        ("data.csv", 4, r"dataset, a keras.utils.PyDataset or a generator, got str \(arrays go as"),
     ],
 )
 def test_what_fit_refuses(data, steps, words):

@@ -6,8 +6,9 @@ USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and 
 the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores its weights and
 optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
-USER_SCRIPT_ARRAYS=1 trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
-batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset.
+USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
+batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
+on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp).
 
 OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
 all get the same arguments (python -m tfmp.launch).
@@ -59,6 +60,20 @@ def data(batch=32):
     return tf.data.Dataset.from_tensor_slices(arrays()).shuffle(256, seed=7).batch(batch, drop_remainder=True)
 
 
+class Batches(keras.utils.PyDataset):
+    def __init__(self, batch, n=256):
+        super().__init__()
+        self.batch, self.n = batch, n
+
+    def __len__(self):
+        return self.n // self.batch
+
+    def __getitem__(self, index):
+        x, y = arrays()
+        at = slice(index * self.batch, (index + 1) * self.batch)
+        return x[at], {key: value[at] for key, value in y.items()}
+
+
 class Slow(keras.callbacks.Callback):
     def __init__(self, seconds):
         super().__init__()
@@ -82,8 +97,10 @@ if __name__ == "__main__":
         tfmp.configure_precision(policy)
     with strategy.scope():
         model = build(dropout)
-    if os.environ.get("USER_SCRIPT_ARRAYS") == "1":
+    if os.environ.get("USER_SCRIPT_DATA") == "arrays":
         given = {"data": arrays()[0], "y": arrays()[1], "batch_size": batch, "validation_split": 0.25}
+    elif os.environ.get("USER_SCRIPT_DATA") == "pydataset":
+        given = {"data": Batches(batch), "validation_data": Batches(batch, n=2 * batch)}
     else:  # Validation of unknown length (filter): fine on several workers too.
         given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
     try:

@@ -1,4 +1,5 @@
-"""What `tfmp.fit` reads: datasets, per-worker callables and arrays, as distributed streams."""
+"""What `tfmp.fit` reads: datasets, per-worker callables, arrays, PyDatasets and generators, as
+distributed streams."""
 
 import inspect
 
@@ -6,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import distribute, keras_compat
+from tfmp import distribute, keras_compat, pydata
 from tfmp.errors import UsageError, first_line
 
 
@@ -36,8 +37,9 @@ class Input:
         if self.fn is not None:
             if not callable(data):
                 raise UsageError(
-                    f"{name} must be a tf.data.Dataset or a callable input_context -> dataset, got "
-                    f"{type(data).__name__} (arrays go as tfmp.fit(model, x, y) or (x, y) as data)"
+                    f"{name} must be a tf.data.Dataset, a callable input_context -> dataset, a "
+                    f"keras.utils.PyDataset or a generator, got {type(data).__name__} (arrays go as "
+                    "tfmp.fit(model, x, y) or (x, y) as data)"
                 )
             if not steps:
                 raise UsageError(f"{name} as a callable needs {steps_arg}")
@@ -125,9 +127,16 @@ _FOR_ARRAYS = {
 
 
 def datasets(data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy, training=True):
-    """(training data, validation data) as datasets (or callables), from arrays as
-    `model.fit` takes them (shuffled by default where `training`); a dataset as it is,
-    where no argument for arrays is given."""
+    """(training data, validation data) as datasets (or callables), from arrays, PyDatasets
+    or generators as `model.fit` takes them (arrays and PyDatasets shuffled by default where
+    `training`); a dataset as it is, where no argument for arrays is given."""
+    seed = keras_compat.global_seed() or 0
+    kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
+    if pydata.is_python_data(data):
+        kind = "PyDataset" if isinstance(data, keras.utils.PyDataset) else "generator"
+        data, shuffle = pydata.to_dataset(data, shuffle, seed, default_shuffle=training), None
+    if pydata.is_python_data(validation_data):
+        validation_data = pydata.to_dataset(validation_data, False, seed, "validation_data")
     given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
     given["validation_split"] = validation_split or None
     arrays = None
@@ -139,7 +148,6 @@ def datasets(data, y, sample_weight, validation_data, validation_split, batch_si
         raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
     tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.
     if arrays is None:
-        kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
         for name, value in given.items():
             if value is not None:
                 raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
@@ -160,7 +168,6 @@ def datasets(data, y, sample_weight, validation_data, validation_split, batch_si
             raise UsageError("give validation_data or validation_split, not both")
         arrays, validation_data = split_arrays(arrays, validation_split)
     batch_size = batch_size or 32
-    seed = keras_compat.global_seed() or 0
     train = from_arrays(arrays, batch_size, training if shuffle is None else shuffle, seed, drop_remainder=tpu)
     if is_arrays(validation_data):
         validation_data = from_arrays(validation_data, batch_size, drop_remainder=tpu)

@@ -1,0 +1,132 @@
+"""tfmp.fit and tfmp.evaluate on Keras PyDatasets and Python generators, as model.fit takes
+them: model.fit's weights where the order is the same, a seeded batch order that a resumed
+run repeats, the epoch hooks between epochs' loads, and clear errors."""
+
+import types
+
+import keras
+import numpy as np
+import pytest
+from conftest import assert_same, regression, regression_arrays, weights
+
+import tfmp
+from tfmp.errors import UsageError
+
+X, Y = regression_arrays()  # 256 examples: 8 batches of 32.
+
+
+class Batches(keras.utils.PyDataset):
+    """conftest's regression examples in batches of 32; `log` records each load and hook."""
+
+    def __init__(self, weights=None, **kwargs):
+        super().__init__(**kwargs)
+        self.weights, self.log = weights, []
+
+    def __len__(self):
+        return len(X) // 32
+
+    def __getitem__(self, index):
+        self.log.append(int(index))
+        at = slice(index * 32, (index + 1) * 32)
+        return (X[at], Y[at]) if self.weights is None else (X[at], Y[at], self.weights[at])
+
+
+class Hooked(Batches):
+    def on_epoch_begin(self):
+        self.log.append("begin")
+
+    def on_epoch_end(self):
+        self.log.append("end")
+
+
+def generator():
+    for index in range(len(X) // 32):
+        yield X[index * 32 : (index + 1) * 32], Y[index * 32 : (index + 1) * 32]
+
+
+def test_a_py_dataset_and_a_generator_train_as_model_fit_does(mirrored):
+    theirs = regression()
+    keras_history = theirs.fit(Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    ours = regression()
+    history = tfmp.fit(ours, Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    assert_same(weights(ours), weights(theirs))
+    for key, values in keras_history.history.items():
+        np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
+    two = regression(mirrored)
+    tfmp.fit(two, Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    assert_same(weights(two), weights(theirs))
+    from_generator, theirs = regression(), regression()
+    theirs.fit(generator(), epochs=1, verbose=0)
+    tfmp.fit(from_generator, generator(), epochs=1, verbose=0)
+    assert_same(weights(from_generator), weights(theirs))
+    w = np.linspace(0.5, 1.5, len(X), dtype=np.float32)  # (x, y, sample_weight) batches.
+    weighted, theirs = regression(), regression()
+    theirs.fit(Batches(w), shuffle=False, verbose=0)
+    tfmp.fit(weighted, Batches(w), shuffle=False, verbose=0)
+    assert_same(weights(weighted), weights(theirs))
+    expected = theirs.evaluate(Batches(), verbose=0, return_dict=True)
+    result = tfmp.evaluate(theirs, Batches())
+    np.testing.assert_allclose([result[k] for k in expected], list(expected.values()), rtol=1e-5)
+
+
+def test_the_batch_order_is_set_by_the_seed_and_a_resumed_run_repeats_it(tmp_path):
+    run = {"epochs": 3, "verbose": 0}
+    straight, again, unshuffled = regression(), regression(), regression()
+    tfmp.fit(straight, Batches(), **run)
+    tfmp.fit(again, Batches(workers=3), **run)  # Loaded on 3 threads: the same order.
+    tfmp.fit(unshuffled, Batches(), shuffle=False, **run)
+    assert_same(weights(again), weights(straight), atol=0)
+    assert max(np.abs(a - b).max() for a, b in zip(weights(unshuffled), weights(straight), strict=True)) > 1e-4
+    halves = regression()  # Stopped after the first epoch, then resumed: the orders go on.
+    tfmp.fit(halves, Batches(), **{**run, "epochs": 1}, checkpoint_dir=str(tmp_path))
+    tfmp.fit(halves, Batches(), **run, checkpoint_dir=str(tmp_path))
+    assert_same(weights(halves), weights(straight), atol=0)
+
+
+def test_epoch_hooks_run_between_the_epochs_loads():
+    data = Hooked(workers=4)  # Hooks of its own: loaded in order, one at a time.
+    history = tfmp.fit(regression(), data, epochs=2, verbose=0)
+    assert history.params["steps"] == len(data)  # Its length known, the hooks' places left out.
+    log = data.log[data.log.index("begin") :]  # After the first batches' shapes were read.
+    epoch = len(data) + 2
+    for k in range(2):
+        begin, *loads, end = log[k * epoch : (k + 1) * epoch]
+        assert (begin, end) == ("begin", "end") and sorted(loads) == list(range(len(data)))
+    assert log[2 * epoch : 2 * epoch + 1] in ([], ["begin"])  # What was read ahead starts the next epoch.
+    assert log[1 : epoch - 1] != log[epoch + 1 : 2 * epoch - 1]  # Shuffled each epoch.
+
+
+def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
+    class Endless(Batches):
+        @property
+        def num_batches(self):
+            return None
+
+        def __getitem__(self, index):
+            return super().__getitem__(index % 8)
+
+    model = regression()
+    tfmp.fit(model, Endless(), epochs=2, steps_per_epoch=5, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 10
+    with pytest.raises(UsageError, match="repeats without end: give steps_per_epoch"):
+        tfmp.fit(regression(), Endless(), verbose=0)
+    model = regression()
+    tfmp.fit(model, generator(), epochs=2, steps_per_epoch=3, verbose=0)  # One generator, 6 of its 8 batches.
+    assert int(model.optimizer.iterations.numpy()) == 6
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "match"),
+    [
+        (generator, {"shuffle": True}, "generator, whose batches come in the order it yields them"),
+        (Batches, {"y": Y}, "y= is for arrays, and data is a PyDataset"),
+        (Batches, {"validation_split": 0.2}, "validation_split= is for arrays, and data is a PyDataset"),
+        (lambda: (b for b in [[X[:4], Y[:4], Y[:4], Y[:4]]]), {}, r"must be \(x,\), \(x, y\) or"),
+        (lambda: (b for b in []), {}, "generator that yields nothing"),
+        (lambda: types.SimpleNamespace(), {}, "a keras.utils.PyDataset or a generator, got SimpleNamespace"),
+    ],
+    ids=["shuffled generator", "y", "validation_split", "bad batch", "empty", "other"],
+)
+def test_bad_python_data_is_a_usage_error(data, kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        tfmp.fit(regression(), data(), verbose=0, **kwargs)

@@ -1,0 +1,154 @@
+"""Keras `PyDataset`s and Python generators as tf.data datasets, so that `tfmp.fit` takes
+them as `model.fit` does.
+
+A PyDataset's batches come in an order drawn from the run's seed (shuffled each epoch where
+`shuffle`, as `model.fit` does by default), so that a resumed run, which skips the batches
+trained, reads the same batches on. They load on the PyDataset's `workers` threads, except
+where it has epoch hooks of its own (`on_epoch_begin`, `on_epoch_end`): then one at a time,
+so that each hook runs between the epochs' loads. A generator's batches come as it yields
+them, each once: one epoch after another continues the same generator.
+"""
+
+import itertools
+import types
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tfmp.errors import UsageError
+
+_BEGIN, _END = -1, -2  # An epoch's hooks, as indices among a PyDataset's batches.
+_warned = set()
+
+
+def is_python_data(data):
+    """Whether `data` is a Keras PyDataset (or `keras.utils.Sequence`) or a Python generator."""
+    return isinstance(data, keras.utils.PyDataset | types.GeneratorType)
+
+
+def to_dataset(data, shuffle, seed, name="data", default_shuffle=False):
+    """A dataset of `data`'s batches (see the module's docstring).
+
+    Args:
+        data: a PyDataset or a generator, each batch `x`, `(x,)`, `(x, y)` or
+            `(x, y, sample_weight)`, or a dict.
+        shuffle: a new batch order each epoch (a PyDataset of known length only); None:
+            `default_shuffle` for a PyDataset, no shuffle for a generator.
+        seed: the seed of the batch orders.
+        name: the argument's name, for errors.
+        default_shuffle: what None means for a PyDataset (True when training, as in
+            `model.fit`).
+
+    Raises:
+        UsageError: `shuffle` asked of a generator, an empty input, or a batch of another form.
+    """
+    if isinstance(data, types.GeneratorType):
+        if shuffle:
+            raise UsageError(f"{name} is a generator, whose batches come in the order it yields them: shuffle there")
+        first = next(data, None)
+        if first is None:
+            raise UsageError(f"{name} is a generator that yields nothing")
+        spec = _spec([_standard(first, name)])
+        batches = itertools.chain([first], data)  # One generator: every pass continues it.
+        flat = (tuple(_flat(_standard(b, name), spec)) for b in batches)
+        ds = tf.data.Dataset.from_generator(lambda: flat, output_signature=tuple(tf.nest.flatten(spec)))
+        return ds.map(lambda *leaves: tf.nest.pack_sequence_as(spec, leaves)).prefetch(tf.data.AUTOTUNE)
+    return _from_py_dataset(data, default_shuffle if shuffle is None else shuffle, seed, name)
+
+
+def _from_py_dataset(data, shuffle, seed, name):
+    n = data.num_batches  # None: without end.
+    if n == 0:
+        raise UsageError(f"{name} is a PyDataset of length 0")
+    spec = _spec([_standard(data[i], name) for i in range(2 if n is None else min(2, n))])
+    # Epochs bracketed by their hooks (a PyDataset without end has no epochs of its own).
+    hooks = n is not None and (_overrides(data, "on_epoch_begin") or _overrides(data, "on_epoch_end"))
+    if data.use_multiprocessing and type(data) not in _warned:
+        _warned.add(type(data))
+        logging.warning("tfmp.fit loads %s's batches on threads: use_multiprocessing is not used", type(data).__name__)
+    order = tf.data.Dataset.range(n) if n is not None else tf.data.Dataset.counter()
+    if shuffle and n is not None:
+        order = order.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    if hooks:  # Each epoch: its begin hook, its batches, its end hook.
+        order = tf.data.Dataset.from_tensors(tf.constant(_BEGIN, tf.int64)).concatenate(order)
+        order = order.concatenate(tf.data.Dataset.from_tensors(tf.constant(_END, tf.int64)))
+    loader = _Loader(data, spec, name)
+    dtypes = [s.dtype for s in tf.nest.flatten(spec)]
+
+    def load(index):
+        leaves = tf.numpy_function(loader, [index], [tf.bool, *dtypes], stateful=True)
+        for leaf, s in zip(leaves[1:], tf.nest.flatten(spec), strict=True):
+            leaf.set_shape(s.shape)
+        return leaves[0], tf.nest.pack_sequence_as(spec, leaves[1:])
+
+    parallel = None if hooks or data.workers <= 1 else data.workers  # In order, where hooks run between.
+    ds = order.map(load, num_parallel_calls=parallel, deterministic=True)
+    if hooks:  # The hooks' places left out: n batches an epoch again.
+        ds = ds.filter(lambda is_batch, batch: is_batch).apply(tf.data.experimental.assert_cardinality(n))
+    return ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
+
+
+class _Loader:
+    """Loads a PyDataset's batch `index` as (True, its leaves); runs an epoch's hook for
+    `_BEGIN` or `_END`, as (False, empty leaves)."""
+
+    def __init__(self, data, spec, name):
+        self.data, self.spec, self.name = data, spec, name
+
+    def __call__(self, index):
+        index = int(index)
+        if index in (_BEGIN, _END):
+            (self.data.on_epoch_begin if index == _BEGIN else self.data.on_epoch_end)()
+            leaves = tf.nest.flatten(self.spec)
+            return [np.bool_(False), *(np.zeros([d or 0 for d in s.shape], s.dtype.as_numpy_dtype) for s in leaves)]
+        return [np.bool_(True), *_flat(_standard(self.data[index], self.name), self.spec)]
+
+
+def _overrides(data, method):
+    return getattr(type(data), method) is not getattr(keras.utils.PyDataset, method)
+
+
+def _standard(batch, name):
+    """A batch as `model.fit` reads it: a tuple of 1 to 3 (x, y, sample_weight), or a dict."""
+    if isinstance(batch, dict):
+        return batch
+    if isinstance(batch, np.ndarray):
+        return (batch,)
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple) or len(batch) not in (1, 2, 3):
+        raise UsageError(
+            f"{name}'s batches must be (x,), (x, y) or (x, y, sample_weight), or a dict; got "
+            f"{type(batch).__name__} {str(batch)[:80]}"
+        )
+    return batch
+
+
+def _spec(batches):
+    """The structure of `batches` as TensorSpecs: any batch size, and None in each dimension
+    where the batches differ."""
+
+    def leaf(*values):
+        arrays = [np.asarray(v) for v in values]
+        if any(a.ndim != arrays[0].ndim for a in arrays):
+            raise UsageError(f"batches of one input differ in rank: shapes {[a.shape for a in arrays]}")
+        shape = [None] + [
+            d if all(a.shape[k + 1] == d for a in arrays) else None for k, d in enumerate(arrays[0].shape[1:])
+        ]
+        return tf.TensorSpec(shape, tf.as_dtype(arrays[0].dtype))
+
+    return tf.nest.map_structure(leaf, *batches)
+
+
+def _flat(batch, spec):
+    """`batch`'s leaves as numpy arrays of `spec`'s dtypes, checked against its structure."""
+    try:
+        tf.nest.assert_same_structure(batch, spec)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"a batch's structure differs from the first batches': {e}") from None
+    return [
+        np.asarray(v, s.dtype.as_numpy_dtype)
+        for v, s in zip(tf.nest.flatten(batch), tf.nest.flatten(spec), strict=True)
+    ]
