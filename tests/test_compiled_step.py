@@ -135,3 +135,31 @@ def test_token_models_compile_one_step_for_every_batch(name, precision):
         tfmp.configure_precision("float32")
         keras.backend.clear_session()
     assert hlo[0] == hlo[1]
+
+
+# ---- an update only where a batch was read ----
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no XLA", "XLA"])
+def test_the_read_past_an_epochs_end_updates_nothing(mirrored, replicas, jit_compile):
+    """A dataset of unknown length ends its epoch with a read that fails. The step that
+    tried it must change nothing: without XLA, TensorFlow runs the ops that take no input
+    from the read (the iteration count, dropout's seed) unless they wait for it. Keras fit
+    counts one update too many each such epoch."""
+
+    def train(data):
+        keras.utils.set_random_seed(0)
+        with (mirrored if replicas == 2 else tf.distribute.get_strategy()).scope():
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dropout(0.3)(keras.layers.Dense(16, activation="relu")(inputs))
+            model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+            model.compile(keras.optimizers.Adam(1e-2), "mse")
+        tfmp.fit(model, data, epochs=3, jit_compile=jit_compile, verbose=0)
+        return model
+
+    known = train(regression_data())
+    unknown = train(regression_data().filter(lambda x, y: True))
+    assert int(unknown.optimizer.iterations.numpy()) == int(known.optimizer.iterations.numpy()) == 3 * 8
+    for a, b in zip(unknown.weights, known.weights, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

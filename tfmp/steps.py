@@ -284,19 +284,19 @@ class Steps:
         # Under XLA no merge call can run inside this function: each replica updates its
         # own copies, from the same reduced gradients, so the copies stay equal.
         local = self._split and self.jit_compile
-        with (
-            tf_compat.replica_local_updates(self._applier.variables, self.strategy)
-            if local
-            else contextlib.nullcontext()
-        ):
+        updates = tf_compat.replica_local_updates if local else lambda *_: contextlib.nullcontext()
+        with updates(self._applier.variables, self.strategy):
             return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
 
     def _replica_update(self, batches):
-        if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
-            grads, loss = self._gradients_stage(batches)
-            return (loss, *self._apply_reduced(grads))
-        *sent, loss = self._compute(batches)
-        return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
+        # Every op waits for the batches: without XLA, the failed read that ends an epoch of unknown length
+        # would still run those that take no input from it (iteration count, dropout's seed), as in Keras fit.
+        with tf.control_dependencies(tf.nest.flatten(batches, expand_composites=True)):
+            if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
+                grads, loss = self._gradients_stage(batches)
+                return (loss, *self._apply_reduced(grads))
+            *sent, loss = self._compute(batches)
+            return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches):
         """One update from `batches`; returns its (loss, grad_norm, finite) per replica."""
