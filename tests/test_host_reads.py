@@ -79,9 +79,9 @@ def test_an_update_is_read_after_the_next_is_queued(monkeypatch):
     events = []
     dispatch, read = tfmp_steps.Steps.dispatch, tfmp_steps.Steps.read
 
-    def logged_dispatch(self, *args):
+    def logged_dispatch(self, *args, **kwargs):
         events.append("queue")
-        return dispatch(self, *args)
+        return dispatch(self, *args, **kwargs)
 
     def logged_read(self, packed):
         events.append("read")
@@ -103,7 +103,9 @@ def test_a_checkpoint_holds_exactly_the_updates_it_counts(tmp_path, monkeypatch)
     model = _model()
     events = []
     dispatch = tfmp_steps.Steps.dispatch
-    monkeypatch.setattr(tfmp_steps.Steps, "dispatch", lambda self, *a: events.append("queue") or dispatch(self, *a))
+    monkeypatch.setattr(
+        tfmp_steps.Steps, "dispatch", lambda self, *a, **kw: events.append("queue") or dispatch(self, *a, **kw)
+    )
     from tfmp import checkpoint
 
     save = checkpoint.Checkpointer.save

@@ -45,24 +45,26 @@ def generator():
 
 
 def test_a_py_dataset_and_a_generator_train_as_model_fit_does(mirrored):
+    run = {"shuffle": False, "verbose": 0}
+    same = {**run, "jit_compile": False}  # Not "auto": XLA, where its timing picks it, rounds otherwise.
     theirs = regression()
-    keras_history = theirs.fit(Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    keras_history = theirs.fit(Batches(), epochs=2, validation_data=Batches(), **run)
     ours = regression()
-    history = tfmp.fit(ours, Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    history = tfmp.fit(ours, Batches(), epochs=2, validation_data=Batches(), **same)
     assert_same(weights(ours), weights(theirs))
     for key, values in keras_history.history.items():
         np.testing.assert_allclose(history.history[key], values, rtol=1e-5)
     two = regression(mirrored)
-    tfmp.fit(two, Batches(), epochs=2, shuffle=False, validation_data=Batches(), verbose=0)
+    tfmp.fit(two, Batches(), epochs=2, validation_data=Batches(), **same)
     assert_same(weights(two), weights(theirs))
     from_generator, theirs = regression(), regression()
     theirs.fit(generator(), epochs=1, verbose=0)
-    tfmp.fit(from_generator, generator(), epochs=1, verbose=0)
+    tfmp.fit(from_generator, generator(), epochs=1, verbose=0, jit_compile=False)
     assert_same(weights(from_generator), weights(theirs))
     w = np.linspace(0.5, 1.5, len(X), dtype=np.float32)  # (x, y, sample_weight) batches.
     weighted, theirs = regression(), regression()
-    theirs.fit(Batches(w), shuffle=False, verbose=0)
-    tfmp.fit(weighted, Batches(w), shuffle=False, verbose=0)
+    theirs.fit(Batches(w), **run)
+    tfmp.fit(weighted, Batches(w), **same)
     assert_same(weights(weighted), weights(theirs))
     expected = theirs.evaluate(Batches(), verbose=0, return_dict=True)
     result = tfmp.evaluate(theirs, Batches())
@@ -130,3 +132,16 @@ def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
 def test_bad_python_data_is_a_usage_error(data, kwargs, match):
     with pytest.raises(UsageError, match=match):
         tfmp.fit(regression(), data(), verbose=0, **kwargs)
+
+
+def test_batches_are_copies_never_views_of_the_users_arrays():
+    """TensorFlow takes a loaded array's memory as its tensor's and may write into it (a
+    MirroredStrategy's run overwrote a PyDataset's labels so, now and then): each batch
+    loaded is a copy."""
+    from tfmp import pydata
+
+    data = Batches()
+    loader = pydata._Loader(data, pydata._spec([data[0]]), "data")  # noqa: SLF001
+    is_batch, x, y = loader(np.int64(1))
+    assert is_batch and np.array_equal(x, X[32:64]) and np.array_equal(y, Y[32:64])
+    assert not np.shares_memory(x, X) and not np.shares_memory(y, Y)

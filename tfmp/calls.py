@@ -49,6 +49,11 @@ def _flat_inputs(concrete, iterator):
     return inference, arguments, [capture if callable(capture) else _flatten(capture) for capture in captures]
 
 
+def of_iterator(step, *args):
+    """`step(iterator, *args)` as a `tf.function` of the iterator alone, as `Direct` calls it."""
+    return tf.function(lambda iterator: step(iterator, *args))
+
+
 class Direct:
     """`concrete(iterator)`, its inputs flattened once (see the module's docstring).
 

@@ -143,12 +143,17 @@ def _spec(batches):
 
 
 def _flat(batch, spec):
-    """`batch`'s leaves as numpy arrays of `spec`'s dtypes, checked against its structure."""
+    """`batch`'s leaves as new numpy arrays of `spec`'s dtypes, checked against its structure.
+
+    Copies, never views: TensorFlow takes a returned array's memory as its tensor's, and an
+    op that reuses its input's buffer then writes into it. A view of the user's arrays (a
+    PyDataset's `y[at]`) had its labels overwritten so under a MirroredStrategy, now and
+    then: a run trained on other targets, and every run after it in the process too."""
     try:
         tf.nest.assert_same_structure(batch, spec)
     except (ValueError, TypeError) as e:
         raise UsageError(f"a batch's structure differs from the first batches': {e}") from None
     return [
-        np.asarray(v, s.dtype.as_numpy_dtype)
+        np.array(v, s.dtype.as_numpy_dtype, copy=True)
         for v, s in zip(tf.nest.flatten(batch), tf.nest.flatten(spec), strict=True)
     ]

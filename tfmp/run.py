@@ -121,7 +121,7 @@ class Run:
             updates = k if total is not None and total - done >= k * n else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                packed = steps.dispatch(iterator, updates)
+                packed = steps.dispatch(iterator, updates, gated=not self.input.streamed)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.

@@ -21,10 +21,6 @@ _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
 
 
-def _batch_size(x):
-    return tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
-
-
 class Steps:
     """Compiled train and test steps for one compiled model under one strategy.
 
@@ -125,15 +121,14 @@ class Steps:
         self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
         self._apply = jit(self._apply_stage) if self._split else self._apply_stage
-        self._one = tf.function(self._single)
-        self._many = tf.function(self._updates)
-        self._concrete = {}  # (updates > 1, iterator id) -> its traced step (`calls.Direct`).
+        self._one = {gated: calls.of_iterator(self._single, gated) for gated in (False, True)}  # `_replica_update`.
+        self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
+        self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
         self._test = tf.function(self._test_step, reduce_retracing=True)
-        # Under XLA on one CPU, the call around the update holds only the iterator's reads
-        # and the XLA computation: nothing for the default executor's threads to run side
-        # by side, and their hand-offs cost 4-7% of a small model's step (DECISIONS.md).
-        # Not without XLA (Keras' element-wise optimizers run their ops side by side, and
-        # the executor takes no control flow), nor on GPUs or TPUs (not measured there).
+        # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA
+        # computation: nothing for the default executor's threads to run side by side, and their hand-offs
+        # cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras' element-wise optimizers
+        # run their ops side by side; the executor takes no control flow), nor on GPUs or TPUs (not measured).
         self._lean = self.jit_compile and one and not tpu and not tf.config.list_logical_devices("GPU")
 
     def _fall_back(self, error):
@@ -169,22 +164,22 @@ class Steps:
         """
         return self.read(self.dispatch(iterator, updates))
 
-    def dispatch(self, iterator, updates=1):
+    def dispatch(self, iterator, updates=1, gated=False):
         """Queues `updates` updates from `iterator` on the device and returns at once, with
-        what they will return packed into one tensor (see `read`): nothing here waits for
-        the device.
-
-        The traced step is called directly (its concrete function, kept per iterator,
-        its inputs flattened once: `tfmp.calls`): `tf.function`'s dispatch would hash
-        every argument and flatten it and every capture again each step.
+        what they will return packed into one tensor (see `read`): nothing here waits for the
+        device. `gated`: an input of unknown length, whose epochs end with a failed read (see
+        `_replica_update`). The traced step is called directly (its concrete function, kept
+        per iterator, its inputs flattened once: `tfmp.calls`): `tf.function`'s dispatch would
+        hash every argument and flatten it and every capture again each step.
         """
-        key = (updates > 1, id(iterator))
+        gate = gated and not self.jit_compile  # XLA's one computation waits for its inputs anyway.
+        key = (updates > 1, gate, id(iterator))
         kept = self._concrete.get(key)
         if kept is None:
-            fn = self._many if updates > 1 else self._one
+            fn = (self._many if updates > 1 else self._one)[gate]
             out = self._first_call(fn, iterator)
             if out is _FAILED:  # XLA failed to compile: the same update without it.
-                return self.dispatch(iterator, updates)
+                return self.dispatch(iterator, updates, gated)
             if len(self._concrete) > 8:  # Iterators of epochs gone.
                 self._concrete.clear()
             self._concrete[key] = calls.Direct(fn.get_concrete_function(iterator), iterator)
@@ -288,28 +283,29 @@ class Steps:
         with updates(self._applier.variables, self.strategy):
             return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
 
-    def _replica_update(self, batches):
-        # Every op waits for the batches: without XLA, the failed read that ends an epoch of unknown length
-        # would still run those that take no input from it (iteration count, dropout's seed), as in Keras fit.
-        with tf.control_dependencies(tf.nest.flatten(batches, expand_composites=True)):
+    def _replica_update(self, batches, gated):
+        # Gated, every op waits for the batches: else, without XLA, the failed read ending an epoch of unknown
+        # length runs those that take no input from it (iteration count, dropout's seed), as Keras fit does.
+        with tf.control_dependencies(tf.nest.flatten(batches, expand_composites=True) if gated else []):
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
                 grads, loss = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
             *sent, loss = self._compute(batches)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
-    def _update(self, batches):
+    def _update(self, batches, gated=False):
         """One update from `batches`; returns its (loss, grad_norm, finite) per replica."""
-        return self.strategy.run(self._replica_update, args=(batches,))
+        return self.strategy.run(self._replica_update, args=(batches, gated))
 
     def _packed_update(self, batches):
         """One update from `batches`, and the step's outputs packed (`tfmp.packed`)."""
-        loss, grad_norm, finite = self._update(batches)
+        return self._packed(*self._update(batches))
+
+    def _packed(self, loss, grad_norm, finite):
         first = self.strategy.experimental_local_results
         out = {
             "step_loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
-            # Every replica computed these from the same all-reduced gradients.
-            "grad_norm": first(grad_norm)[0],
+            "grad_norm": first(grad_norm)[0],  # Every replica computed these from the same all-reduced gradients.
             "finite": first(finite)[0],
         }
         return self._with_state(out)
@@ -317,14 +313,19 @@ class Steps:
     def _batches(self, iterator):
         return tuple(next(iterator) for _ in range(self.grad_accum_steps))
 
-    def _single(self, iterator):
-        return self._step(self._batches(iterator))
+    def _single(self, iterator, gated):
+        batches = self._batches(iterator)  # Gated only without XLA (`dispatch`): the plain update, traced inline.
+        return self._packed(*self._update(batches, gated=True)) if gated else self._step(batches)
 
-    def _updates(self, iterator):
+    def _updates(self, iterator, gated):
         # The same updates in the same order; only the last one's outputs are read and packed.
         for _ in tf.range(self.steps_per_execution - 1):
-            self._quiet_step(self._batches(iterator))
-        return self._single(iterator)
+            batches = self._batches(iterator)
+            if gated:
+                self._update(batches, gated=True)
+            else:
+                self._quiet_step(batches)
+        return self._single(iterator, gated)
 
     def _with_state(self, out):
         # Read inside the compiled call, so the host needs no extra variable reads per step.
@@ -337,7 +338,7 @@ class Steps:
 
     def update_graph(self, iterator):
         """The graph of one update from `iterator` (traced, not run; see `xla.ops_outside_xla`)."""
-        return self._one.get_concrete_function(iterator).graph
+        return self._one[False].get_concrete_function(iterator).graph
 
     def results(self):
         """The model's metric results, summed over replicas and workers."""
@@ -358,7 +359,7 @@ class Steps:
         if tracker is None:
             return
         value = loss * self.strategy.num_replicas_in_sync  # This replica's own mean.
-        count = tf.cast(_batch_size(x), value.dtype)
+        count = tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], value.dtype)  # Examples.
         if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
             ok = tf.math.is_finite(value)
             value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
