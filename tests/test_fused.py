@@ -45,7 +45,7 @@ def _data():
 
 def _op_types(model):
     """The op types of the model's compiled train step, nested functions included."""
-    graph = loop._STEPS[model][2]._one._list_all_concrete_functions()[0].graph  # noqa: SLF001
+    graph = loop._STEPS[model][2]._one[False]._list_all_concrete_functions()[0].graph  # noqa: SLF001 - known length.
     definition = graph.as_graph_def()
     ops = {node.op for node in definition.node}
     for function in definition.library.function:

@@ -15,50 +15,76 @@ from tfmp import cli
 from tfmp.errors import Interrupted
 
 
-def test_sigterm_saves_and_raises_preempted(tmp_path):
-    class Terminate(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
+class Signal(keras.callbacks.Callback):
+    """Sends `signum` to this process `times` times as batch 2 ends."""
 
-    model = regression()
-    with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
-        tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), callbacks=[Terminate()], verbose=0)
-    assert (tmp_path / "ckpt-3.index").exists()
+    def __init__(self, signum, times=1):
+        super().__init__()
+        self.signum, self.times = signum, times
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+
+
+def assert_resumes_as_unbroken(directory):
     resumed = regression()
-    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(directory), verbose=0)
     unbroken = regression()
     tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
     assert_same(weights(resumed), weights(unbroken), atol=0)
 
 
+def test_sigterm_saves_and_raises_preempted(tmp_path):
+    model = regression()
+    with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
+        tfmp.fit(
+            model,
+            regression_data(),
+            epochs=2,
+            checkpoint_dir=str(tmp_path),
+            callbacks=[Signal(signal.SIGTERM)],
+            verbose=0,
+        )
+    assert (tmp_path / "ckpt-3.index").exists()
+    assert_resumes_as_unbroken(tmp_path)
+
+
+def test_a_sigterm_before_training_stops_after_the_first_update(tmp_path):
+    """One that came while the run set up (its exception lost, the flag kept: tfmp.cli)."""
+    from tfmp.errors import SIGTERM_RECEIVED
+
+    SIGTERM_RECEIVED.set()
+    try:
+        with pytest.raises(tfmp.Preempted, match="SIGTERM at batch 1: checkpoint saved"):
+            tfmp.fit(regression(), regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
+    finally:
+        SIGTERM_RECEIVED.clear()
+    assert (tmp_path / "ckpt-1.index").exists()
+
+
 def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path, capfd):
-    class CtrlC(keras.callbacks.Callback):
-        def __init__(self, times):
-            super().__init__()
-            self.times = times
-
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                for _ in range(self.times):
-                    os.kill(os.getpid(), signal.SIGINT)
-
     model = regression()
     with pytest.raises(tfmp.Interrupted, match="Ctrl-C at batch 3: checkpoint saved") as raised:
-        tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), callbacks=[CtrlC(1)], verbose=0)
+        tfmp.fit(
+            model,
+            regression_data(),
+            epochs=2,
+            checkpoint_dir=str(tmp_path),
+            callbacks=[Signal(signal.SIGINT)],
+            verbose=0,
+        )
     assert isinstance(raised.value, KeyboardInterrupt)
     assert "Ctrl-C: saving a checkpoint after this update" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again.
     assert (tmp_path / "ckpt-3.index").exists()
-    resumed = regression()
-    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(tmp_path), verbose=0)
-    unbroken = regression()
-    tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
-    assert_same(weights(resumed), weights(unbroken), atol=0)
+    assert_resumes_as_unbroken(tmp_path)
     # Twice: the second is Python's KeyboardInterrupt, where it lands (here, in the callback).
     again = tmp_path / "again"
+    twice = Signal(signal.SIGINT, times=2)
     with pytest.raises(KeyboardInterrupt) as raised:
-        tfmp.fit(regression(), regression_data(), epochs=2, checkpoint_dir=str(again), callbacks=[CtrlC(2)], verbose=0)
+        tfmp.fit(regression(), regression_data(), epochs=2, checkpoint_dir=str(again), callbacks=[twice], verbose=0)
     assert not isinstance(raised.value, tfmp.Interrupted) and not list(again.glob("ckpt-3*"))
 
 

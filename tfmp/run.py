@@ -75,7 +75,7 @@ class Run:
         self.callbacks.on_train_begin()
         epoch_logs = {}
         with guards.signals_set(stop, self.saver is not None and handler is None):
-            while epoch < epochs and not model.stop_training and not stop.is_set():
+            while epoch < epochs and not model.stop_training:
                 model.reset_metrics()
                 self.callbacks.on_epoch_begin(epoch)
                 if not source.streamed:
@@ -96,8 +96,8 @@ class Run:
                 if self.saver is not None and not model.stop_training:
                     self._save(epoch, epoch * source.period if source.streamed else 0)
                 self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
-            if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
-                raise stop.error(self.step, self.saver.directory)
+                if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
+                    raise stop.error(self.step, self.saver.directory)
         if self.monitor is not None:
             self.monitor.flush()
         self.callbacks.on_train_end(epoch_logs)
