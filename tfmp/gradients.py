@@ -61,6 +61,37 @@ def half_squares(g):
     return tf.nn.l2_loss(tf.cast(values(g), tf.float32))
 
 
+# Whether `half_squares_all` groups by shape: None follows `Steps`' rule (under XLA on a GPU);
+# True or False forces it (`python -m tfmp.bench.gpu_report --grouped_norm`).
+GROUPED = None
+
+
+def half_squares_all(grads, grouped):
+    """[`half_squares`(g) for g in grads], as one vector. Grouped, the dense gradients of one
+    shape and dtype are stacked and reduced together: one reduction per shape instead of one
+    per gradient (ResNet-50's 214 gradients have 28 shapes, BERT-base's 196 have 11), each a
+    kernel on a GPU; XLA fuses the stack into the reduction. Either way each gradient's sum
+    is its own, so which one is not finite stays known."""
+    if not grouped:
+        return tf.stack([half_squares(g) for g in grads])
+    groups = {}
+    for k, g in enumerate(grads):
+        whole = not isinstance(g, tf.IndexedSlices) and g.shape.is_fully_defined()
+        groups.setdefault((tuple(g.shape), g.dtype) if whole else k, []).append(k)
+    parts, order = [], []
+    for key, members in groups.items():
+        if len(members) == 1:
+            parts.append(half_squares(grads[members[0]])[tf.newaxis])
+        else:
+            stacked = tf.stack([tf.cast(grads[k], tf.float32) for k in members])
+            parts.append(0.5 * tf.reduce_sum(tf.square(stacked), axis=list(range(1, len(key[0]) + 1))))
+        order += members
+    where = [0] * len(order)
+    for position, k in enumerate(order):
+        where[k] = position
+    return tf.gather(tf.concat(parts, 0), where)
+
+
 def scale(g, factor):
     """g * factor, sparse stays sparse."""
     if isinstance(g, tf.IndexedSlices):

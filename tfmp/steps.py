@@ -79,8 +79,7 @@ class Steps:
         self._update_step, decay_filter = bf16.applier_hooks(
             inner, self.variables, strategy, bf16_rounding, seed, self._update_step
         )
-        # What applies the all-reduced gradients: tfmp's own copy of the optimizer, sharing
-        # its variables; the user's optimizer object is never changed (keras_compat).
+        # What applies the all-reduced gradients: tfmp's copy of the optimizer, sharing its variables (keras_compat).
         self._applier = keras_compat.reduced_applier(
             self.optimizer, self._update_step, "gradients_reduced", decay_filter
         )
@@ -125,11 +124,13 @@ class Steps:
         self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
         self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
         self._test = tf.function(self._test_step, reduce_retracing=True)
-        # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA
-        # computation: nothing for the default executor's threads to run side by side, and their hand-offs
-        # cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras' element-wise optimizers
-        # run their ops side by side; the executor takes no control flow), nor on GPUs or TPUs (not measured).
-        self._lean = self.jit_compile and one and not tpu and not tf.config.list_logical_devices("GPU")
+        # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA computation:
+        # the default executor's hand-offs cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras'
+        # element-wise optimizers run side by side), nor on GPUs or TPUs (not measured). The norm's reductions per
+        # shape on a GPU, where each is a launch (DECISIONS.md); on a CPU per gradient, which is faster there.
+        gpu = bool(tf.config.list_logical_devices("GPU"))
+        self._lean = self.jit_compile and one and not tpu and not gpu
+        self._grouped = gradients.GROUPED if gradients.GROUPED is not None else self.jit_compile and gpu and not tpu
 
     def _fall_back(self, error):
         self.fallback = xla.reason(error)
@@ -240,12 +241,11 @@ class Steps:
         return grads, tf.add_n(losses) / len(losses)
 
     def _unscale_and_check(self, grads):
-        """(gradients with one row per index, their global norm unscaled, per-variable
-        finiteness). One pass over each gradient gives both: its sum of squares, finite
-        where the gradient is (or, past 1e19, where it overflows float32: then the norm is
-        not finite either). No cond: one around every gradient would add an op for each."""
+        """(gradients with one row per index, their global norm unscaled, per-variable finiteness). One pass
+        over each gradient gives both: its sum of squares, finite where the gradient is (or, past 1e19, where it
+        overflows float32: then the norm is not finite either). No cond: one per gradient would add its ops."""
         grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
-        squares = tf.stack([gradients.half_squares(g) for g in grads])
+        squares = gradients.half_squares_all(grads, self._grouped)
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
         weights = tf.constant(self._crossing.weights(self.applied), tf.int32)
         grad_norm = tf.sqrt(2.0 * tf.reduce_sum(tf.gather(squares, weights))) / scale

@@ -42,7 +42,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tfmp import bf16, callbacks, files, precision, timing  # noqa: E402
+from tfmp import bf16, callbacks, files, gradients, precision, timing  # noqa: E402
 from tfmp.bench import float8_hlo, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
 MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -102,6 +102,12 @@ def define_flags():
     flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
+    flags.DEFINE_enum(
+        "grouped_norm",
+        "auto",
+        ["auto", "on", "off"],
+        "tfmp's norm: per shape (auto: on GPUs) or per gradient.",
+    )
     flags.DEFINE_list(
         "precisions",
         [],
@@ -311,7 +317,13 @@ def run_part(number, log):
     """Runs part `number`; its figures go to part<number>.json."""
     part = PARTS[number]
     began = time.perf_counter()
-    result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
+    result = {
+        "part": number,
+        "smoke": FLAGS.smoke,
+        "device": precision.device_name(),
+        "grouped_norm": FLAGS.grouped_norm,
+        **gpu_tables.versions(),
+    }
     log(f"part {number} on {result['device']}: {_describe(part)}", doing=f"part {number}")
     if part.peaks:
         sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()
@@ -368,6 +380,7 @@ def main(argv):
         sys.exit(2)
     if FLAGS.smoke:
         FLAGS.warmup_steps, FLAGS.rounds, FLAGS.max_steps = min(FLAGS.warmup_steps, 3), min(FLAGS.rounds, 2), 3
+    gradients.GROUPED = {"auto": None, "on": True, "off": False}[FLAGS.grouped_norm]
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     log = Log(os.path.join(FLAGS.output_dir, "report.log"))
     for number in wanted:

@@ -1,0 +1,82 @@
+"""The gradient norm's reductions per shape (`gradients.half_squares_all`, on GPUs): the
+same sums as per gradient, in fewer reductions, and the same training."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+from tfmp import gradients, loop
+
+
+def _grads():
+    rng = np.random.default_rng(0)
+    shapes = [(3, 4), (5,), (3, 4), (), (5,), (2, 2, 2), (0, 3), (0, 3)]
+    grads = [tf.constant(rng.normal(size=s).astype(np.float32)) for s in shapes]
+    grads[2] = tf.tensor_scatter_nd_update(grads[2], [[1, 1]], [np.inf])  # Grouped with (3, 4) others.
+    grads.append(tf.constant(rng.normal(size=(3, 4)).astype(np.float16)))  # Same shape, another dtype.
+    sparse = tf.constant(rng.normal(size=(2, 4)).astype(np.float32))
+    grads.append(tf.IndexedSlices(sparse, tf.constant([0, 2]), tf.constant([5, 4])))
+    return grads
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_grouped_sums_are_each_gradients_own_in_its_place(jit):
+    grads = _grads()
+    expected = [float(tf.nn.l2_loss(tf.cast(gradients.values(g), tf.float32))) for g in grads]
+    fn = tf.function(lambda: gradients.half_squares_all(grads, True), jit_compile=jit)
+    got = fn().numpy()
+    assert got.shape == (len(grads),)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    assert list(np.isfinite(got)) == [k != 2 for k in range(len(grads))]  # Which one is not finite stays known.
+    np.testing.assert_array_equal(gradients.half_squares_all(grads, False), expected)
+
+
+def test_grouped_makes_one_reduction_a_shape():
+    """In the traced graph: per gradient, one L2Loss each; grouped, one reduction a shape (and
+    one L2Loss for each gradient alone in its group: here the sparse one, the scalar, the
+    float16 one and the (2, 2, 2) one)."""
+    grads = _grads()
+    ops = {}
+    for grouped in (False, True):
+        graph = tf.function(lambda grouped=grouped: gradients.half_squares_all(grads, grouped)).get_concrete_function()
+        types = [op.type for op in graph.graph.get_operations()]
+        ops[grouped] = (types.count("L2Loss"), types.count("Sum"))
+    assert ops[False] == (len(grads), 0)
+    assert ops[True] == (4, 3)  # (3, 4) x2, (5,) x2, (0, 3) x2.
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(6, activation="relu") for _ in range(4)]])
+    model.add(keras.layers.Dense(3, activation="softmax"))
+    model.compile(keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy")
+    return model
+
+
+def test_training_with_the_grouped_norm_matches_per_gradient(monkeypatch):
+    """Clipped by the global norm under XLA: the same weights, the norm within rounding."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(64, 6)).astype(np.float32), rng.integers(0, 3, 64)
+    runs = {}
+    for grouped in (False, True):
+        monkeypatch.setattr(gradients, "GROUPED", grouped)
+        model = _model()
+        history = tfmp.fit(model, x, y, batch_size=16, epochs=2, clipnorm=0.05, jit_compile=True, verbose=0)
+        assert loop._STEPS[model][2]._grouped is grouped  # noqa: SLF001
+        runs[grouped] = model.get_weights(), history.history["loss"]
+    for a, b in zip(runs[False][0], runs[True][0], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(runs[False][1], runs[True][1], rtol=1e-5)
+
+
+def test_the_rule_groups_under_xla_on_a_gpu_only(monkeypatch):
+    monkeypatch.setattr(gradients, "GROUPED", None)
+    model = _model()
+    steps = loop.prepare(model, tf.distribute.get_strategy(), (tf.TensorSpec([None, 6]), tf.TensorSpec([None])))
+    gpu = bool(tf.config.list_logical_devices("GPU"))
+    steps.compile(True)
+    assert steps._grouped is gpu  # noqa: SLF001
+    steps.compile(False)
+    assert steps._grouped is False  # noqa: SLF001

@@ -1,0 +1,139 @@
+"""The gradient norm's reductions, per gradient or per shape (`tfmp.gradients.half_squares_all`):
+tfmp's compiled step both ways, and Keras' compiled step, timed in alternating rounds in one
+process, and the kernels of tfmp's two steps counted in XLA's optimized HLO.
+
+    python -m tfmp.bench.grouped_norm --model=resnet50 --precision=float32 --optimizer=sgd \\
+        --output_dir=grouped_norm [--smoke]
+
+Each variant is warmed (its compile), then `--rounds` rounds of `--steps` steps each, the
+variants' order reversed every other round; a step is one call of the compiled step and
+the read of its outputs (tfmp: `Steps.train`; Keras: `model.train_function` and a read of
+its loss). Prints ms per step (median of the rounds), each ratio, the kernels, and writes
+OUTPUT_DIR/grouped_norm.json. The choice it prints last ("grouped_norm: on" or "off") is
+the faster of tfmp's two steps.
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+
+_DUMP = tempfile.mkdtemp(prefix="tfmp-grouped-norm-")
+os.environ["XLA_FLAGS"] = " ".join(
+    f
+    for f in (os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={_DUMP} --xla_dump_hlo_module_re=.*_packed_update.*")
+    if f
+)
+os.environ.setdefault("TF_FORCE_GPU_ALLOW_GROWTH", "true")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmp import gradients, loop, precision  # noqa: E402
+from tfmp.bench import realsize, runs, step_hlo  # noqa: E402
+
+VARIANTS = ("per gradient", "grouped", "keras")
+
+
+def _variant(name, model_name, policy, optimizer, batch, smoke):
+    """(a function running one step and reading its outputs, its model) of one variant, compiled and warmed."""
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    models = realsize.SMOKE if smoke else realsize.MODELS
+    sizes = realsize.SMOKE_INPUTS if smoke else {}
+    dataset = realsize.synthetic(model_name, batch, **sizes)
+    model = models[model_name]()
+    model.compile(runs.OPTIMIZERS[optimizer](1e-3), "sparse_categorical_crossentropy", jit_compile=True)
+    iterator = iter(dataset)
+    if name == "keras":
+        model.make_train_function()
+        step = lambda: float(model.train_function(iterator)["loss"])  # noqa: E731
+    else:
+        gradients.GROUPED = name == "grouped"  # Read when the steps are compiled.
+        steps = loop.prepare(model, tf.distribute.get_strategy(), dataset.element_spec)
+        steps.compile(True)
+        gradients.GROUPED = None
+        assert steps._grouped == (name == "grouped")
+        step = lambda: steps.train(iterator)  # noqa: E731
+    began = time.perf_counter()
+    for _ in range(3):
+        step()
+    print(f"{name}: warmed in {time.perf_counter() - began:.0f} s", flush=True)
+    return step, model
+
+
+def measure(model_name, policy, optimizer, batch, rounds, steps, smoke=False):
+    """{variant: [ms per step, per round]}."""
+    made = {name: _variant(name, model_name, policy, optimizer, batch, smoke) for name in VARIANTS}
+    times = {name: [] for name in VARIANTS}
+    for r in range(rounds):
+        for name in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            step = made[name][0]
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - began) / steps * 1000)
+    return times
+
+
+def tfmp_kernels():
+    """The kernels of each tfmp step module dumped, in the order they were compiled."""
+    paths = sorted(glob.glob(os.path.join(_DUMP, "*_packed_update*after_optimizations.txt")))
+    found = []
+    for path in paths:
+        with open(path) as f:
+            k = step_hlo.kernels(f.read())
+        found.append(
+            {"module": os.path.basename(path), "kernels": k["kernels"], "L2Loss": k["by_op_type"].get("L2Loss", 0)}
+        )
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50", choices=("resnet50", "bert_base", "encoder_4096"))
+    parser.add_argument("--precision", default="float32", choices=("float32", "mixed_float16", "mixed_bfloat16"))
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
+    parser.add_argument("--batch", type=int, default=None, help="global batch (default: 128 ResNet-50, else 64)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="steps per variant a round")
+    parser.add_argument("--output_dir", default="grouped_norm")
+    parser.add_argument("--smoke", action="store_true", help="a tiny stand-in, on a CPU in seconds")
+    args = parser.parse_args(argv)
+    batch = args.batch or (4 if args.smoke else 128 if args.model == "resnet50" else 64)
+    times = measure(args.model, args.precision, args.optimizer, batch, args.rounds, args.steps, args.smoke)
+    ms = {name: statistics.median(v) for name, v in times.items()}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))  # noqa: E731
+    result = {
+        "device": precision.device_name(),
+        "model": args.model + (" (smoke)" if args.smoke else ""),
+        "precision": args.precision,
+        "optimizer": args.optimizer,
+        "batch": batch,
+        "ms_per_step": ms,
+        "rounds": times,
+        "speed grouped / per gradient": ratio("per gradient", "grouped"),
+        "speed grouped / keras": ratio("keras", "grouped"),
+        "speed per gradient / keras": ratio("keras", "per gradient"),
+        "tfmp_kernels": tfmp_kernels(),
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "grouped_norm.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"{result['model']}, {args.precision}, {args.optimizer}, batch {batch}, on {result['device']}")
+    for name in VARIANTS:
+        rounds = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"  {name:>12}: {ms[name]:.2f} ms a step (rounds: {rounds})")
+    for key in ("speed grouped / per gradient", "speed grouped / keras", "speed per gradient / keras"):
+        print(f"  {key}: {result[key]:.3f}")
+    for k in result["tfmp_kernels"]:
+        print(f"  kernels {k['kernels']} (L2Loss {k['L2Loss']}): {k['module']}")
+    print("grouped_norm:", "on" if result["speed grouped / per gradient"] > 1 else "off")
+    return result
+
+
+if __name__ == "__main__":
+    main()
