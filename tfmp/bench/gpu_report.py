@@ -102,12 +102,7 @@ def define_flags():
     flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
-    flags.DEFINE_enum(
-        "grouped_norm",
-        "auto",
-        ["auto", "on", "off"],
-        "tfmp's norm: per shape (auto: on GPUs) or per gradient.",
-    )
+    flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
     flags.DEFINE_list(
         "precisions",
         [],
@@ -317,13 +312,8 @@ def run_part(number, log):
     """Runs part `number`; its figures go to part<number>.json."""
     part = PARTS[number]
     began = time.perf_counter()
-    result = {
-        "part": number,
-        "smoke": FLAGS.smoke,
-        "device": precision.device_name(),
-        "grouped_norm": FLAGS.grouped_norm,
-        **gpu_tables.versions(),
-    }
+    result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
+    result["grouped_norm"] = FLAGS.grouped_norm
     log(f"part {number} on {result['device']}: {_describe(part)}", doing=f"part {number}")
     if part.peaks:
         sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()
