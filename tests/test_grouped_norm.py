@@ -37,18 +37,21 @@ def test_grouped_sums_are_each_gradients_own_in_its_place(jit):
     np.testing.assert_array_equal(gradients.half_squares_all(grads, False), expected)
 
 
-def test_grouped_makes_one_reduction_a_shape():
+def _reductions(grads, grouped):
+    graph = tf.function(lambda: gradients.half_squares_all(grads, grouped)).get_concrete_function().graph
+    types = [op.type for op in graph.get_operations()]
+    return types.count("L2Loss"), types.count("Sum")
+
+
+def test_grouped_makes_one_reduction_a_shape_of_small_gradients(monkeypatch):
     """In the traced graph: per gradient, one L2Loss each; grouped, one reduction a shape (and
     one L2Loss for each gradient alone in its group: here the sparse one, the scalar, the
-    float16 one and the (2, 2, 2) one)."""
+    float16 one and the (2, 2, 2) one). Gradients over `GROUP_MOST` numbers stay alone."""
     grads = _grads()
-    ops = {}
-    for grouped in (False, True):
-        graph = tf.function(lambda grouped=grouped: gradients.half_squares_all(grads, grouped)).get_concrete_function()
-        types = [op.type for op in graph.graph.get_operations()]
-        ops[grouped] = (types.count("L2Loss"), types.count("Sum"))
-    assert ops[False] == (len(grads), 0)
-    assert ops[True] == (4, 3)  # (3, 4) x2, (5,) x2, (0, 3) x2.
+    assert _reductions(grads, False) == (len(grads), 0)
+    assert _reductions(grads, True) == (4, 3)  # (3, 4) x2, (5,) x2, (0, 3) x2.
+    monkeypatch.setattr(gradients, "GROUP_MOST", 8)
+    assert _reductions(grads, True) == (6, 2)  # The two (3, 4) ones, of 12 numbers, alone.
 
 
 def _model():

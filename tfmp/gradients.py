@@ -64,19 +64,23 @@ def half_squares(g):
 # Whether `half_squares_all` groups by shape: None follows `Steps`' rule (under XLA on a GPU);
 # True or False forces it (`python -m tfmp.bench.gpu_report --grouped_norm`).
 GROUPED = None
+# The largest gradient grouped (numbers): a reduction of 2^18 float32 takes about a launch's
+# time on a GPU, so a larger one gains little from sharing it, and its stack may be a copy.
+GROUP_MOST = 1 << 18
 
 
 def half_squares_all(grads, grouped):
     """[`half_squares`(g) for g in grads], as one vector. Grouped, the dense gradients of one
     shape and dtype are stacked and reduced together: one reduction per shape instead of one
-    per gradient (ResNet-50's 214 gradients have 28 shapes, BERT-base's 196 have 11), each a
-    kernel on a GPU; XLA fuses the stack into the reduction. Either way each gradient's sum
-    is its own, so which one is not finite stays known."""
+    per gradient, each a kernel on a GPU. Only gradients of at most `GROUP_MOST` numbers:
+    the launches saved are the small ones', and a large stack's copy would cost more. Either
+    way each gradient's sum is its own, so which one is not finite stays known."""
     if not grouped:
         return tf.stack([half_squares(g) for g in grads])
     groups = {}
     for k, g in enumerate(grads):
-        whole = not isinstance(g, tf.IndexedSlices) and g.shape.is_fully_defined()
+        small = g.shape.is_fully_defined() and g.shape.num_elements() <= GROUP_MOST
+        whole = small and not isinstance(g, tf.IndexedSlices)
         groups.setdefault((tuple(g.shape), g.dtype) if whole else k, []).append(k)
     parts, order = [], []
     for key, members in groups.items():
