@@ -9,7 +9,7 @@ Each variant is warmed (its compile), then `--rounds` rounds of `--steps` steps 
 variants' order reversed every other round; a step is one call of the compiled step and
 the read of its outputs (tfmp: `Steps.train`; Keras: `model.train_function` and a read of
 its loss). Prints ms per step (median of the rounds), each ratio, the kernels, and writes
-OUTPUT_DIR/grouped_norm.json. The choice it prints last ("grouped_norm: on" or "off") is
+OUTPUT_DIR/grouped_norm.json and .md. The choice it prints last ("grouped_norm: on" or "off") is
 the faster of tfmp's two steps.
 """
 
@@ -36,6 +36,12 @@ from tfmp import gradients, loop, precision  # noqa: E402
 from tfmp.bench import realsize, runs, step_hlo  # noqa: E402
 
 VARIANTS = ("per gradient", "grouped", "keras")
+# Each: the second step's speed over the first's (the first's ms a step over the second's), a median of rounds.
+RATIOS = {
+    "speed grouped / per gradient": ("per gradient", "grouped"),
+    "speed grouped / keras": ("keras", "grouped"),
+    "speed per gradient / keras": ("keras", "per gradient"),
+}
 
 
 def _variant(name, model_name, policy, optimizer, batch, smoke):
@@ -115,22 +121,20 @@ def main(argv=None):
         "batch": batch,
         "ms_per_step": ms,
         "rounds": times,
-        "speed grouped / per gradient": ratio("per gradient", "grouped"),
-        "speed grouped / keras": ratio("keras", "grouped"),
-        "speed per gradient / keras": ratio("keras", "per gradient"),
+        **{key: ratio(*pair) for key, pair in RATIOS.items()},
         "tfmp_kernels": tfmp_kernels(),
     }
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "grouped_norm.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"{result['model']}, {args.precision}, {args.optimizer}, batch {batch}, on {result['device']}")
-    for name in VARIANTS:
-        rounds = ", ".join(f"{t:.2f}" for t in times[name])
-        print(f"  {name:>12}: {ms[name]:.2f} ms a step (rounds: {rounds})")
-    for key in ("speed grouped / per gradient", "speed grouped / keras", "speed per gradient / keras"):
-        print(f"  {key}: {result[key]:.3f}")
-    for k in result["tfmp_kernels"]:
-        print(f"  kernels {k['kernels']} (L2Loss {k['L2Loss']}): {k['module']}")
+    lines = [f"{result['model']}, {args.precision}, {args.optimizer}, batch {batch}, on {result['device']}", ""]
+    lines += ["| step | ms a step | rounds |", "|---|---|---|"]
+    lines += [f"| {name} | {ms[name]:.2f} | {', '.join(f'{t:.2f}' for t in times[name])} |" for name in VARIANTS]
+    lines += [""] + [f"- {key}: {result[key]:.3f}" for key in RATIOS]
+    lines += [f"- tfmp's kernels {k['kernels']} (L2Loss {k['L2Loss']}): {k['module']}" for k in result["tfmp_kernels"]]
+    with open(os.path.join(args.output_dir, "grouped_norm.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
     print("grouped_norm:", "on" if result["speed grouped / per gradient"] > 1 else "off")
     return result
 
