@@ -54,23 +54,28 @@ def test_grouped_makes_one_reduction_a_shape_of_small_gradients(monkeypatch):
     assert _reductions(grads, True) == (6, 2)  # The two (3, 4) ones, of 12 numbers, alone.
 
 
-def _model():
+def _model(strategy=None):
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(6, activation="relu") for _ in range(4)]])
-    model.add(keras.layers.Dense(3, activation="softmax"))
-    model.compile(keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy")
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = keras.Sequential([keras.Input((6,)), *[keras.layers.Dense(6, activation="relu") for _ in range(4)]])
+        model.add(keras.layers.Dense(3, activation="softmax"))
+        model.compile(keras.optimizers.Adam(1e-2), "sparse_categorical_crossentropy")
     return model
 
 
-def test_training_with_the_grouped_norm_matches_per_gradient(monkeypatch):
-    """Clipped by the global norm under XLA: the same weights, the norm within rounding."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_training_with_the_grouped_norm_matches_per_gradient(monkeypatch, request, replicas):
+    """Clipped by the global norm under XLA: the same weights, the norm within rounding; on
+    two replicas in the no-merge-call branch that XLA on several GPUs takes."""
+    strategy = request.getfixturevalue("no_merge_call") if replicas == 2 else None
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(64, 6)).astype(np.float32), rng.integers(0, 3, 64)
     runs = {}
     for grouped in (False, True):
         monkeypatch.setattr(gradients, "GROUPED", grouped)
-        model = _model()
-        history = tfmp.fit(model, x, y, batch_size=16, epochs=2, clipnorm=0.05, jit_compile=True, verbose=0)
+        model = _model(strategy)
+        fit = {"batch_size": 16, "epochs": 2, "clipnorm": 0.05, "strategy": strategy}
+        history = tfmp.fit(model, x, y, **fit, jit_compile=True, verbose=0)
         assert loop._STEPS[model][2]._grouped is grouped  # noqa: SLF001
         runs[grouped] = model.get_weights(), history.history["loss"]
     for a, b in zip(runs[False][0], runs[True][0], strict=True):
