@@ -28,6 +28,16 @@ class Signal(keras.callbacks.Callback):
                 os.kill(os.getpid(), self.signum)
 
 
+@pytest.fixture
+def pythons_sigint():
+    """Python's own SIGINT handler, as in a terminal: a process started in the background by
+    a shell without job control (`cmd &` in a script) inherits SIGINT ignored, and then
+    Python installs none and Ctrl-C cannot reach it, nor tfmp's handling."""
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
 def assert_resumes_as_unbroken(directory):
     resumed = regression()
     tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(directory), verbose=0)
@@ -64,7 +74,7 @@ def test_a_sigterm_before_training_stops_after_the_first_update(tmp_path):
     assert (tmp_path / "ckpt-1.index").exists()
 
 
-def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path, capfd):
+def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path, capfd, pythons_sigint):
     model = regression()
     with pytest.raises(tfmp.Interrupted, match="Ctrl-C at batch 3: checkpoint saved") as raised:
         tfmp.fit(
@@ -88,7 +98,7 @@ def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path
     assert not isinstance(raised.value, tfmp.Interrupted) and not list(again.glob("ckpt-3*"))
 
 
-def test_ctrl_c_in_validation_stops_after_the_epochs_save(tmp_path):
+def test_ctrl_c_in_validation_stops_after_the_epochs_save(tmp_path, pythons_sigint):
     class CtrlC(keras.callbacks.Callback):
         def on_test_batch_end(self, batch, logs=None):
             if batch == 0:
