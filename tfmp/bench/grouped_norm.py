@@ -100,10 +100,7 @@ def tfmp_kernels():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="resnet50", choices=("resnet50", "bert_base", "encoder_4096"))
-    parser.add_argument("--precision", default="float32", choices=("float32", "mixed_float16", "mixed_bfloat16"))
-    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
-    parser.add_argument("--batch", type=int, default=None, help="global batch (default: 128 ResNet-50, else 64)")
+    step_hlo.step_arguments(parser)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="steps per variant a round")
     parser.add_argument("--output_dir", default="grouped_norm")

@@ -140,12 +140,17 @@ def run(output_dir, model_name, precision_name, optimizer, batch, smoke=False, d
     return result
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_arguments(parser):
+    """The step's arguments, shared with `tfmp.bench.grouped_norm`: --model, --precision, --optimizer, --batch."""
     parser.add_argument("--model", default="resnet50", choices=("resnet50", "bert_base", "encoder_4096"))
     parser.add_argument("--precision", default="float32", choices=("float32", "mixed_float16", "mixed_bfloat16"))
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
     parser.add_argument("--batch", type=int, default=None, help="global batch (default: 128 ResNet-50, else 64)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    step_arguments(parser)
     parser.add_argument("--output_dir", default="step_hlo")
     parser.add_argument("--dump_dir", default=None, help="where XLA's dump goes (default: a temporary folder)")
     parser.add_argument("--smoke", action="store_true", help="a tiny stand-in of the model (a CPU, seconds)")
