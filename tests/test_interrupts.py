@@ -38,6 +38,12 @@ def pythons_sigint():
     signal.signal(signal.SIGINT, found)
 
 
+def fit_signalled(model, directory, signum, times=1):
+    """tfmp.fit for 2 epochs with checkpoints in `directory`, `signum` sent `times` times as batch 2 ends."""
+    callbacks = [Signal(signum, times)]
+    tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(directory), callbacks=callbacks, verbose=0)
+
+
 def assert_resumes_as_unbroken(directory):
     resumed = regression()
     tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(directory), verbose=0)
@@ -49,14 +55,7 @@ def assert_resumes_as_unbroken(directory):
 def test_sigterm_saves_and_raises_preempted(tmp_path):
     model = regression()
     with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
-        tfmp.fit(
-            model,
-            regression_data(),
-            epochs=2,
-            checkpoint_dir=str(tmp_path),
-            callbacks=[Signal(signal.SIGTERM)],
-            verbose=0,
-        )
+        fit_signalled(model, tmp_path, signal.SIGTERM)
     assert (tmp_path / "ckpt-3.index").exists()
     assert_resumes_as_unbroken(tmp_path)
 
@@ -77,14 +76,7 @@ def test_a_sigterm_before_training_stops_after_the_first_update(tmp_path):
 def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path, capfd, pythons_sigint):
     model = regression()
     with pytest.raises(tfmp.Interrupted, match="Ctrl-C at batch 3: checkpoint saved") as raised:
-        tfmp.fit(
-            model,
-            regression_data(),
-            epochs=2,
-            checkpoint_dir=str(tmp_path),
-            callbacks=[Signal(signal.SIGINT)],
-            verbose=0,
-        )
+        fit_signalled(model, tmp_path, signal.SIGINT)
     assert isinstance(raised.value, KeyboardInterrupt)
     assert "Ctrl-C: saving a checkpoint after this update" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again.
@@ -92,9 +84,8 @@ def test_ctrl_c_saves_and_raises_interrupted_and_a_second_stops_at_once(tmp_path
     assert_resumes_as_unbroken(tmp_path)
     # Twice: the second is Python's KeyboardInterrupt, where it lands (here, in the callback).
     again = tmp_path / "again"
-    twice = Signal(signal.SIGINT, times=2)
     with pytest.raises(KeyboardInterrupt) as raised:
-        tfmp.fit(regression(), regression_data(), epochs=2, checkpoint_dir=str(again), callbacks=[twice], verbose=0)
+        fit_signalled(regression(), again, signal.SIGINT, times=2)
     assert not isinstance(raised.value, tfmp.Interrupted) and not list(again.glob("ckpt-3*"))
 
 
