@@ -1,5 +1,6 @@
-"""Masked RNNs and cuDNN's kernel (a GPU's): a user's model is told before the first step,
-and cuDNN's refusal of a mask becomes an error that names the layer and the fixes."""
+"""RNNs and cuDNN's kernel (a GPU's): a user's model is told before the first step, cuDNN's
+refusal of a mask becomes an error that names the layer and the fixes, and a bfloat16 LSTM
+of tfmp's own takes Keras' generic kernel."""
 
 import logging
 
@@ -10,6 +11,7 @@ import tensorflow as tf
 
 import tfmp
 from tfmp import cudnn
+from tfmp.app import models
 from tfmp.errors import TrainingError
 
 
@@ -62,3 +64,18 @@ def test_warned_before_the_first_step_on_a_gpu_only(monkeypatch, caplog):
         cudnn.warn_before_training(text_model())
     (record,) = [r for r in caplog.records if "cuDNN" in r.getMessage()]
     assert "reader" in record.getMessage() and "use_cudnn=False" in record.getMessage()
+
+
+@pytest.mark.parametrize("policy, bundled", [("float32", "auto"), ("mixed_float16", "auto"), ("mixed_bfloat16", False)])
+def test_bfloat16_lstm_takes_the_generic_kernel_and_a_users_is_warned_of_on_a_gpu(monkeypatch, caplog, policy, bundled):
+    keras.config.set_dtype_policy(policy)
+    assert models.MODELS["lstm"].build(num_classes=2, vocab_size=50).get_layer("lstm").use_cudnn == bundled
+    low = policy == "mixed_bfloat16"
+    assert cudnn.bfloat16_cudnn_layers(text_model()) == (["reader"] if low else [])
+    assert cudnn.bfloat16_cudnn_layers(text_model(use_cudnn=False)) == []
+    real = tf.config.list_physical_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["gpu"] if kind == "GPU" else real(kind))
+    with caplog.at_level(logging.WARNING):
+        cudnn.warn_before_training(text_model(mask_zero=False))
+    said = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    assert len(said) == low and all("reader" in s and "use_cudnn=False" in s for s in said)

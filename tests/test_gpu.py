@@ -27,6 +27,46 @@ def test_lstm_trains_with_cudnn(tmp_path):
     assert history.history["accuracy"][-1] > 0.6 and np.isfinite(history.history["loss"]).all()
 
 
+def test_bundled_lstm_trains_in_mixed_bfloat16():
+    """mixed_bfloat16: the bundled lstm takes Keras' generic kernel (cuDNN's, in bfloat16,
+    stayed at chance on SST-2 on an H100: `tfmp.cudnn`) and learns the shipped sentences."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    ds = data.load("sentiment", 256, vocab_size=2000, sequence_length=32, drop_remainder=True)
+    keras.utils.set_random_seed(0)
+    model = models.compile(models.build("lstm", ds), keras.optimizers.Adam(3e-3))
+    history = tfmp.fit(model, ds.train, epochs=1, steps_per_epoch=270, verbose=0)
+    assert model.get_layer("lstm").use_cudnn is False
+    assert history.history["accuracy"][-1] > 0.6 and np.isfinite(history.history["loss"]).all()
+
+
+def test_cudnn_bfloat16_lstm_is_why_the_bundled_one_takes_the_generic_kernel():
+    """The reason for `tfmp.cudnn.use_cudnn`: cuDNN's LSTM in bfloat16 against Keras' generic
+    kernel in bfloat16, same weights, same right-padded masked batch. Where they agree (a
+    fixed TensorFlow or cuDNN) this fails, saying so: the rule can then go."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 24, 16)).astype("float32")
+    mask = np.arange(24)[np.newaxis, :] < rng.integers(1, 25, size=64)[:, np.newaxis]
+    outputs, kernel_grads, weights = {}, {}, None
+    for kernel in (True, False):
+        layer = keras.layers.LSTM(32, use_cudnn=kernel)
+        layer.build((None, 24, 16))
+        if weights is None:
+            weights = layer.get_weights()
+        layer.set_weights(weights)
+        with tf.GradientTape() as tape:
+            y = tf.cast(layer(x, mask=mask), tf.float32)
+            loss = tf.reduce_sum(y * y)
+        outputs[kernel] = y.numpy()
+        kernel_grads[kernel] = tape.gradient(loss, layer.cell.kernel).numpy()
+    gap = np.abs(outputs[True] - outputs[False]).max()
+    grad_gap = np.abs(kernel_grads[True] - kernel_grads[False]).max() / np.abs(kernel_grads[False]).max()
+    assert gap > 0.05 or grad_gap > 0.1, (
+        f"cuDNN's bfloat16 LSTM now agrees with the generic kernel (outputs within {gap:.3f}, the kernel's "
+        f"gradient within {grad_gap:.3f} of its largest): tfmp.cudnn.use_cudnn's rule can go"
+    )
+
+
 def test_xla_compiles_tfmps_real_training_step():
     """jit_compile=True on the GPU: the step compiles (no fallback) and trains like no XLA."""
     keras.config.set_dtype_policy("mixed_float16")
