@@ -2,6 +2,7 @@
 them: model.fit's weights where the order is the same, a seeded batch order that a resumed
 run repeats, the epoch hooks between epochs' loads, and clear errors."""
 
+import time
 import types
 
 import keras
@@ -36,6 +37,7 @@ class Hooked(Batches):
         self.log.append("begin")
 
     def on_epoch_end(self):
+        time.sleep(0.3)  # A slow hook: the pipeline's thread is still in it as the last update ends.
         self.log.append("end")
 
 
@@ -89,6 +91,7 @@ def test_epoch_hooks_run_between_the_epochs_loads():
     data = Hooked(workers=4)  # Hooks of its own: loaded in order, one at a time.
     history = tfmp.fit(regression(), data, epochs=2, verbose=0)
     assert history.params["steps"] == len(data)  # Its length known, the hooks' places left out.
+    assert data.log.count("end") == 2  # The last epoch's end hook too, before tfmp.fit returned, as in Keras.
     log = data.log[data.log.index("begin") :]  # After the first batches' shapes were read.
     epoch = len(data) + 2
     for k in range(2):
@@ -141,7 +144,7 @@ def test_batches_are_copies_never_views_of_the_users_arrays():
     from tfmp import pydata
 
     data = Batches()
-    loader = pydata._Loader(data, pydata._spec([data[0]]), "data")  # noqa: SLF001
+    loader = pydata._Loader(data, pydata._spec([data[0]]), "data", len(data))  # noqa: SLF001
     is_batch, x, y = loader(np.int64(1))
     assert is_batch and np.array_equal(x, X[32:64]) and np.array_equal(y, Y[32:64])
     assert not np.shares_memory(x, X) and not np.shares_memory(y, Y)

@@ -32,6 +32,7 @@ class Input:
         self.replicas = strategy.num_replicas_in_sync
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
+        self._given = self.data  # A PyDataset's dataset (tfmp.pydata), before any map of ours.
         self.period = steps  # Batches an epoch takes from the stream.
         steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
         if self.fn is not None:
@@ -102,6 +103,11 @@ class Input:
         if self.replicas > 1 or distribute.num_workers(self.strategy) > 1:
             return self.strategy.experimental_distribute_dataset(ds)
         return ds
+
+    def end_hooks_ran(self, epochs, timeout=pydata.END_HOOK_SECONDS):
+        """Whether a PyDataset's `on_epoch_end` has run for every pass that `epochs` epochs
+        of the stream make whole, waiting up to `timeout` seconds (`tfmp.pydata`)."""
+        return self.period is None or pydata.end_hooks_ran(self._given, epochs * self.period, timeout)
 
     def stream(self, position):
         """An iterator over the repeated input, `position` batches in."""

@@ -7,10 +7,16 @@ trained, reads the same batches on. They load on the PyDataset's `workers` threa
 where it has epoch hooks of its own (`on_epoch_begin`, `on_epoch_end`): then one at a time,
 so that each hook runs between the epochs' loads. A generator's batches come as it yields
 them, each once: one epoch after another continues the same generator.
+
+The hooks run on the pipeline's thread, which reads ahead of training: `tfmp.fit` waits,
+before it returns, for the end hook of every pass it drew whole (`end_hooks_ran`), so that
+each has run when it returns, as with Keras.
 """
 
 import itertools
+import threading
 import types
+import weakref
 
 import keras
 import numpy as np
@@ -21,6 +27,8 @@ from tfmp.errors import UsageError
 
 _BEGIN, _END = -1, -2  # An epoch's hooks, as indices among a PyDataset's batches.
 _warned = set()
+END_HOOK_SECONDS = 60.0  # How long `tfmp.fit` waits for the last end hook (`end_hooks_ran`).
+_HOOKED = weakref.WeakKeyDictionary()  # A dataset made here -> its PyDataset's `_Loader`, where it has hooks.
 
 
 def is_python_data(data):
@@ -74,7 +82,7 @@ def _from_py_dataset(data, shuffle, seed, name):
     if hooks:  # Each epoch: its begin hook, its batches, its end hook.
         order = tf.data.Dataset.from_tensors(tf.constant(_BEGIN, tf.int64)).concatenate(order)
         order = order.concatenate(tf.data.Dataset.from_tensors(tf.constant(_END, tf.int64)))
-    loader = _Loader(data, spec, name)
+    loader = _Loader(data, spec, name, n)
     dtypes = [s.dtype for s in tf.nest.flatten(spec)]
 
     def load(index):
@@ -87,20 +95,41 @@ def _from_py_dataset(data, shuffle, seed, name):
     ds = order.map(load, num_parallel_calls=parallel, deterministic=True)
     if hooks:  # The hooks' places left out: n batches an epoch again.
         ds = ds.filter(lambda is_batch, batch: is_batch).apply(tf.data.experimental.assert_cardinality(n))
-    return ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
+    ds = ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
+    if hooks:
+        _HOOKED[ds] = loader
+    return ds
+
+
+def end_hooks_ran(dataset, batches, timeout):
+    """Waits until the end hook of every pass of `dataset`'s PyDataset that its first
+    `batches` batches make whole has run (at most `timeout` seconds); returns whether it
+    has. True at once for a dataset not made here or without hooks."""
+    loader = _HOOKED.get(dataset) if isinstance(dataset, tf.data.Dataset) else None
+    if loader is None:
+        return True
+    passes = batches // loader.batches
+    with loader.ended:
+        return loader.ended.wait_for(lambda: loader.ends >= passes, timeout)
 
 
 class _Loader:
     """Loads a PyDataset's batch `index` as (True, its leaves); runs an epoch's hook for
-    `_BEGIN` or `_END`, as (False, empty leaves)."""
+    `_BEGIN` or `_END`, as (False, empty leaves), and counts the end hooks run (`ends`,
+    `ended` notified after each)."""
 
-    def __init__(self, data, spec, name):
-        self.data, self.spec, self.name = data, spec, name
+    def __init__(self, data, spec, name, batches):
+        self.data, self.spec, self.name, self.batches = data, spec, name, batches
+        self.ends, self.ended = 0, threading.Condition()
 
     def __call__(self, index):
         index = int(index)
         if index in (_BEGIN, _END):
             (self.data.on_epoch_begin if index == _BEGIN else self.data.on_epoch_end)()
+            if index == _END:
+                with self.ended:
+                    self.ends += 1
+                    self.ended.notify_all()
             leaves = tf.nest.flatten(self.spec)
             return [np.bool_(False), *(np.zeros([d or 0 for d in s.shape], s.dtype.as_numpy_dtype) for s in leaves)]
         return [np.bool_(True), *_flat(_standard(self.data[index], self.name), self.spec)]

@@ -7,9 +7,10 @@ import typing
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import doctor, guards, inputs, loss_scale
+from tfmp import doctor, guards, inputs, loss_scale, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -64,7 +65,7 @@ class Run:
     def train(self, epoch, epochs, position, step, validation_freq, checkpoint_every):
         """Trains from `epoch`, `position` batches into the input (a resumed run), with
         `step` batches trained before. Returns the History."""
-        model, steps, source = self.model, self.steps, self.input
+        model, steps, source, first = self.model, self.steps, self.input, epoch
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
         offset = position - epoch * source.period if source.streamed else position
         self.step = step
@@ -100,6 +101,13 @@ class Run:
                     raise stop.error(self.step, self.saver.directory)
         if self.monitor is not None:
             self.monitor.flush()
+        # A PyDataset's hooks run on its pipeline, ahead of training: its last end hook, as in Keras, before returning.
+        if epochs == epoch > first and not model.stop_training and not source.end_hooks_ran(epochs):
+            logging.warning(
+                "%s's on_epoch_end had not run after %g s; tfmp.fit returns without it",
+                self.input.name,
+                pydata.END_HOOK_SECONDS,
+            )
         self.callbacks.on_train_end(epoch_logs)
         return model.history
 
