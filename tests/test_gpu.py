@@ -16,27 +16,28 @@ from tfmp.bench import float8_hlo
 pytestmark = pytest.mark.gpu
 
 
-def test_lstm_trains_with_cudnn(tmp_path):
-    """The shipped SST-2 sentences (two hold no word) through the bundled lstm: cuDNN's
-    kernel runs (Keras turns the layer's XLA support off when it does) and nothing refuses."""
-    ds = data.load("sentiment", 256, vocab_size=2000, sequence_length=32, drop_remainder=True)
-    keras.utils.set_random_seed(0)
-    model = models.compile(models.build("lstm", ds), keras.optimizers.Adam(3e-3))
-    history = tfmp.fit(model, ds.train, epochs=1, steps_per_epoch=270, verbose=0)  # Past every sentence.
-    assert model.get_layer("lstm").supports_jit is False  # Set by Keras on cuDNN's path only.
-    assert history.history["accuracy"][-1] > 0.6 and np.isfinite(history.history["loss"]).all()
-
-
-def test_bundled_lstm_trains_in_mixed_bfloat16():
-    """mixed_bfloat16: the bundled lstm takes Keras' generic kernel (cuDNN's, in bfloat16,
-    stayed at chance on SST-2 on an H100: `tfmp.cudnn`) and learns the shipped sentences."""
-    keras.config.set_dtype_policy("mixed_bfloat16")
+def _trained_bundled_lstm():
+    """The bundled lstm after 270 steps over the shipped SST-2 sentences (past every one, two
+    of which hold no word), under the global policy; asserts it learned."""
     ds = data.load("sentiment", 256, vocab_size=2000, sequence_length=32, drop_remainder=True)
     keras.utils.set_random_seed(0)
     model = models.compile(models.build("lstm", ds), keras.optimizers.Adam(3e-3))
     history = tfmp.fit(model, ds.train, epochs=1, steps_per_epoch=270, verbose=0)
-    assert model.get_layer("lstm").use_cudnn is False
     assert history.history["accuracy"][-1] > 0.6 and np.isfinite(history.history["loss"]).all()
+    return model
+
+
+def test_lstm_trains_with_cudnn():
+    """float32: cuDNN's kernel runs (Keras turns the layer's XLA support off when it does)
+    and nothing refuses."""
+    assert _trained_bundled_lstm().get_layer("lstm").supports_jit is False  # Set by Keras on cuDNN's path only.
+
+
+def test_bundled_lstm_trains_in_mixed_bfloat16():
+    """mixed_bfloat16: the bundled lstm takes Keras' generic kernel (cuDNN's, in bfloat16,
+    stayed at chance on SST-2 on an H100: `tfmp.cudnn`) and learns."""
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    assert _trained_bundled_lstm().get_layer("lstm").use_cudnn is False
 
 
 def test_cudnn_bfloat16_lstm_is_why_the_bundled_one_takes_the_generic_kernel():

@@ -28,6 +28,11 @@ _CUDNN_LAYERS = (keras.layers.LSTM, keras.layers.GRU)
 _MASKING_LAYERS = (keras.layers.Embedding, keras.layers.Masking)
 
 
+def _on_cudnn(layer):
+    """Whether `layer` is an LSTM or GRU that would run cuDNN's kernel on a GPU."""
+    return isinstance(layer, _CUDNN_LAYERS) and layer.use_cudnn in ("auto", True) and not layer.recurrent_dropout
+
+
 def masked_cudnn_layers(model):
     """The names of `model`'s LSTM and GRU layers that would run cuDNN's kernel on a GPU,
     where the model also holds a layer that makes a mask (an Embedding with `mask_zero`,
@@ -36,31 +41,20 @@ def masked_cudnn_layers(model):
     masks = any(isinstance(layer, _MASKING_LAYERS) and getattr(layer, "mask_zero", True) for layer in layers)
     if not masks:
         return []
-    return [
-        layer.name
-        for layer in layers
-        if isinstance(layer, _CUDNN_LAYERS) and layer.use_cudnn in ("auto", True) and not layer.recurrent_dropout
-    ]
+    return [layer.name for layer in layers if _on_cudnn(layer)]
 
 
-def use_cudnn(compute_dtype=None):
+def use_cudnn():
     """`use_cudnn` for a bundled LSTM or GRU: False where it computes in bfloat16 (the
-    global policy's compute dtype, or `compute_dtype`), else Keras' "auto"."""
-    compute_dtype = compute_dtype or keras.config.dtype_policy().compute_dtype
-    return False if compute_dtype == "bfloat16" else "auto"
+    global policy's compute dtype), else Keras' "auto"."""
+    return False if keras.config.dtype_policy().compute_dtype == "bfloat16" else "auto"
 
 
 def bfloat16_cudnn_layers(model):
     """The names of `model`'s LSTM and GRU layers that would run cuDNN's kernel in bfloat16
     on a GPU; [] where there is none."""
-    return [
-        layer.name
-        for layer in keras_compat.sublayers(model)
-        if isinstance(layer, _CUDNN_LAYERS)
-        and layer.use_cudnn in ("auto", True)
-        and not layer.recurrent_dropout
-        and layer.compute_dtype == "bfloat16"
-    ]
+    layers = keras_compat.sublayers(model)
+    return [layer.name for layer in layers if _on_cudnn(layer) and layer.compute_dtype == "bfloat16"]
 
 
 def advice(names):
