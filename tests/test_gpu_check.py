@@ -22,16 +22,18 @@ def _check(*args, budget=None, timeout=300):
 
 @pytest.mark.slow  # The stages for real: a report part, two pytest runs and two benches, 60 s on 2 cores.
 def test_rehearsal_runs_the_stages_and_sums_them_up(tmp_path):
-    result = _check("--smoke", str(tmp_path), "bert_adam", "suite", "slow", "step_hlo", "grouped_norm")
+    stages = ("bert_adam", "suite", "slow", "step_hlo", "grouped_norm", "encoder_adam")
+    result = _check("--smoke", str(tmp_path), *stages)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "TensorFlow" in summary.splitlines()[0] and "Smoke run" in summary
-    for stage in ("bert_adam", "suite", "slow", "step_hlo", "grouped_norm"):
+    for stage in stages:
         assert f"| {stage} | passed |" in summary
     assert "| tfmp |" in summary and "| L2Loss | 0 |" in summary  # step_hlo's tables.
     assert "| grouped |" in summary and "- speed grouped / keras: " in summary  # grouped_norm's.
     assert "| bert_base | adam | mixed_bfloat16 |" in summary and "## Goals" in summary
     assert "- part 4 float32, mixed_float16, bfloat16: not run (--precisions)" in summary
+    assert "| encoder_4096 | adam | mixed_bfloat16 |" in summary
     suite = (tmp_path / "suite.log").read_text()
     assert "tests/test_layout.py::" in suite and " PASSED" in suite  # -v: each test named.
     assert summary in result.stdout
@@ -50,7 +52,7 @@ def test_refusals_say_why(tmp_path):
     result = _check()
     assert result.returncode == 2 and "name the output folder" in result.stderr
     result = _check(str(tmp_path), "resnet")
-    choices = "stage resnet: choose gpu_tests bert_adam suite resnet_sgd slow step_hlo grouped_norm"
+    choices = "stage resnet: choose gpu_tests bert_adam suite resnet_sgd slow step_hlo grouped_norm resnet_rows"
     assert result.returncode == 2 and choices in result.stderr
     if GPUS:
         return
