@@ -89,25 +89,24 @@ def update_graph(layers, strategy, optimizer, jit_compile=True):
 def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strategy_name):
     """With XLA, the whole update is one XLA computation on one device; under a strategy only
     the all-reduce of one packed vector sits between two per replica. Counted, not timed:
-    the ops the step's graph runs outside XLA at 50 and 150 Dense layers (100 and 300
-    variables) are the same, for float32 and mixed_float16, SGD and Adam."""
+    the ops the step's graph runs outside XLA at 15 and 150 Dense layers (32 and 302
+    variables, ResNet-50 has 320) are the same, for float32 with SGD and for mixed_float16
+    (loss scaling) with Adam (two slots a variable). Tracing is this test's time: Keras'
+    own Adam builds its update at about 34 ms a variable."""
     strategy = request.getfixturevalue("mirrored") if strategy_name == "mirrored" else tf.distribute.get_strategy()
     counts = {}
-    for policy in ("float32", "mixed_float16"):
-        for optimizer in (keras.optimizers.SGD, keras.optimizers.Adam):
-            for layers in (50, 150):
-                keras.config.set_dtype_policy(policy)
-                counts[policy, optimizer.__name__, layers] = xla.ops_outside_xla(
-                    update_graph(layers, strategy, optimizer)
-                )
-                keras.backend.clear_session()
+    for policy, optimizer in (("float32", keras.optimizers.SGD), ("mixed_float16", keras.optimizers.Adam)):
+        for layers in (15, 150):
+            keras.config.set_dtype_policy(policy)
+            counts[policy, optimizer.__name__, layers] = xla.ops_outside_xla(update_graph(layers, strategy, optimizer))
+            keras.backend.clear_session()
     for policy, optimizer, layers in counts:
-        if layers == 50:
-            assert counts[policy, optimizer, 50] == counts[policy, optimizer, 150], counts
+        if layers == 15:
+            assert counts[policy, optimizer, 15] == counts[policy, optimizer, 150], counts
     assert max(counts.values()) <= (5 if strategy_name == "one_device" else 80), counts
     # Without XLA the same count grows with the variables: the counter sees into the calls.
     keras.config.set_dtype_policy("float32")
-    assert xla.ops_outside_xla(update_graph(50, strategy, keras.optimizers.Adam, jit_compile=False)) > 500
+    assert xla.ops_outside_xla(update_graph(15, strategy, keras.optimizers.Adam, jit_compile=False)) > 500
 
 
 @pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
