@@ -109,6 +109,27 @@ def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strate
     assert xla.ops_outside_xla(update_graph(15, strategy, keras.optimizers.Adam, jit_compile=False)) > 500
 
 
+@pytest.mark.parametrize("jit_compile", [True, False], ids=["xla", "no_xla"])
+def test_the_step_is_traced_without_autograph(monkeypatch, jit_compile):
+    """AutoGraph converts no function of a tfmp.fit run (updates, several a call, under
+    loss scaling and clipping, and evaluation): converting tfmp's own took 3.5 s of every
+    process's first step (DECISIONS.md); the loop of several updates is a tf.while_loop."""
+    from tensorflow.python.autograph.impl import api
+
+    converted = []
+    real = api._convert_actual  # noqa: SLF001 - where AutoGraph converts a function, once per function.
+    monkeypatch.setattr(api, "_convert_actual", lambda entity, ctx: converted.append(entity) or real(entity, ctx))
+    keras.config.set_dtype_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    data = regression_data(drop_remainder=True)
+    history = tfmp.fit(
+        model, data, epochs=2, steps_per_execution=3, clipnorm=1.0, validation_data=data, jit_compile=jit_compile
+    )
+    assert len(history.history["val_loss"]) == 2
+    assert converted == []
+
+
 @pytest.mark.parametrize("name, precision", [("lstm", "float32"), ("transformer", "float32"), ("lstm", "bfloat16")])
 def test_token_models_compile_one_step_for_every_batch(name, precision):
     """No shape in the compiled step depends on the token ids (masks, sparse gradients,

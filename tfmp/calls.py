@@ -50,8 +50,9 @@ def _flat_inputs(concrete, iterator):
 
 
 def of_iterator(step, *args):
-    """`step(iterator, *args)` as a `tf.function` of the iterator alone, as `Direct` calls it."""
-    return tf.function(lambda iterator: step(iterator, *args))
+    """`step(iterator, *args)` as a `tf.function` of the iterator alone, as `Direct` calls it.
+    Traced as written (no AutoGraph, as Keras' own steps): its control flow is TensorFlow's."""
+    return tf.function(lambda iterator: step(iterator, *args), autograph=False)
 
 
 class Direct:

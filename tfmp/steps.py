@@ -109,7 +109,8 @@ class Steps:
         if getattr(self, "_one", None) is not None and self.jit_compile == bool(jit_compile):
             return  # Already so: keep what was traced.
         self.jit_compile = bool(jit_compile)
-        jit = tf.function(jit_compile=True) if self.jit_compile else (lambda fn: fn)
+        # Without AutoGraph, as Keras' steps: converting tfmp's functions took 3.5 s of a process's first step.
+        jit = tf.function(jit_compile=True, autograph=False) if self.jit_compile else (lambda fn: fn)
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
         one = self.strategy.num_replicas_in_sync == 1
@@ -123,7 +124,7 @@ class Steps:
         self._one = {gated: calls.of_iterator(self._single, gated) for gated in (False, True)}  # `_replica_update`.
         self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
         self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
-        self._test = tf.function(self._test_step, reduce_retracing=True)
+        self._test = tf.function(self._test_step, reduce_retracing=True, autograph=False)
         # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA computation:
         # the default executor's hand-offs cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras'
         # element-wise optimizers run side by side), nor on GPUs or TPUs (not measured). The norm's reductions per
@@ -302,13 +303,9 @@ class Steps:
         return self._packed(*self._update(batches))
 
     def _packed(self, loss, grad_norm, finite):
-        first = self.strategy.experimental_local_results
-        out = {
-            "step_loss": self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
-            "grad_norm": first(grad_norm)[0],  # Every replica computed these from the same all-reduced gradients.
-            "finite": first(finite)[0],
-        }
-        return self._with_state(out)
+        first = self.strategy.experimental_local_results  # grad_norm, finite: the same on every replica.
+        loss = self.strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None)
+        return self._with_state({"step_loss": loss, "grad_norm": first(grad_norm)[0], "finite": first(finite)[0]})
 
     def _batches(self, iterator):
         return tuple(next(iterator) for _ in range(self.grad_accum_steps))
@@ -319,12 +316,13 @@ class Steps:
 
     def _updates(self, iterator, gated):
         # The same updates in the same order; only the last one's outputs are read and packed.
-        for _ in tf.range(self.steps_per_execution - 1):
-            batches = self._batches(iterator)
-            if gated:
-                self._update(batches, gated=True)
-            else:
-                self._quiet_step(batches)
+        step = (lambda batches: self._update(batches, gated=True)) if gated else self._quiet_step
+
+        def update(i):
+            step(self._batches(iterator))
+            return (i + 1,)
+
+        tf.while_loop(lambda i: i < self.steps_per_execution - 1, update, (tf.constant(0),))
         return self._single(iterator, gated)
 
     def _with_state(self, out):

@@ -60,7 +60,7 @@ def probe(steps, batches):
     """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
     # The forward and backward passes, as Steps compiles them; the rest of the update is
     # plain arithmetic and the optimizer, and a failure there falls back at the first step.
-    fn = tf.function(steps.replica_gradients, jit_compile=True)
+    fn = tf.function(steps.replica_gradients, jit_compile=True, autograph=False)
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
         fn.experimental_get_compiler_ir(b)(stage="hlo")
@@ -111,7 +111,7 @@ def _elsewhere(text):
 
 
 def _throughput(steps, jit, batches, repeats):
-    fn = tf.function(steps.replica_gradients, jit_compile=True) if jit else steps.replica_gradients
+    fn = tf.function(steps.replica_gradients, jit_compile=True, autograph=False) if jit else steps.replica_gradients
     strategy = steps.strategy
 
     @tf.autograph.experimental.do_not_convert  # Straight-line code; AutoGraph warns on the closure.
@@ -121,7 +121,7 @@ def _throughput(steps, jit, batches, repeats):
         sums = [tf.reduce_sum(tf.cast(gradients.values(g), tf.float32)) for g in grads if g is not None]
         return tf.add_n(sums + [tf.cast(x, tf.float32) for x in losses])
 
-    @tf.function
+    @tf.function(autograph=False)
     def run(b):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(replica, args=(b,)), axis=None)
 
