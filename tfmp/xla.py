@@ -114,8 +114,7 @@ def _throughput(steps, jit, batches, repeats):
     fn = tf.function(steps.replica_gradients, jit_compile=True, autograph=False) if jit else steps.replica_gradients
     strategy = steps.strategy
 
-    @tf.autograph.experimental.do_not_convert  # Straight-line code; AutoGraph warns on the closure.
-    def replica(b):
+    def replica(b):  # Not converted by AutoGraph: `run` is traced without it, and strategy.run then converts nothing.
         grads, losses, _ = fn(b)
         # A checksum of every output, so that no part of the work can be pruned away.
         sums = [tf.reduce_sum(tf.cast(gradients.values(g), tf.float32)) for g in grads if g is not None]
