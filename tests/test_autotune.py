@@ -61,7 +61,7 @@ def test_autotune_times_every_policy_and_caches(tmp_path, monkeypatch):
     assert "autotune, measured now" in out and "<- chosen" in out and "examples/s" in out
     # Its cost said before it ran.
     assert out.index("precision: timing float32, mixed_bfloat16, mixed_float16 on the model") < out.index("<- chosen")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     again, out = run(tmp_path)  # The same command in the same directory: the recorded decision.
     assert again["policy"] == metrics["policy"] and "as recorded in" in out and "autotune, measured now" in out
 
@@ -111,13 +111,13 @@ def test_auto_on_a_bfloat16_cpu_measures_float32_against_bfloat16_once_per_direc
     # A rerun in the same directory takes both decisions again, whatever a new trial would say.
     monkeypatch.setattr(training.autotune, "trial", None)  # Would fail if called.
     monkeypatch.setattr(xla, "measure", None)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     again = training.train_and_evaluate(config, out=io.StringIO())
     assert again["policy"] == metrics["policy"] and again["jit_compile"] == metrics["jit_compile"]
     assert again["policy_reason"].startswith("as recorded in") and "CPU with bfloat16" in again["policy_reason"]
     assert again["jit_compile_reason"].startswith("as recorded in")
     other = "float32" if metrics["policy"] != "float32" else "mixed_bfloat16"
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     with caplog.at_level("WARNING"):
         training.train_and_evaluate(dataclasses.replace(config, precision=other), out=io.StringIO())
     (line,) = [r.getMessage() for r in caplog.records if "recorded" in r.getMessage()]

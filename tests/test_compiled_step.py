@@ -99,7 +99,7 @@ def test_ops_outside_xla_per_step_do_not_grow_with_the_variables(request, strate
         for layers in (15, 150):
             keras.config.set_dtype_policy(policy)
             counts[policy, optimizer.__name__, layers] = xla.ops_outside_xla(update_graph(layers, strategy, optimizer))
-            keras.backend.clear_session()
+            keras.backend.clear_session(free_memory=False)
     for policy, optimizer, layers in counts:
         if layers == 15:
             assert counts[policy, optimizer, 15] == counts[policy, optimizer, 150], counts
@@ -153,7 +153,7 @@ def test_token_models_compile_one_step_for_every_batch(name, precision):
         hlo = [step.experimental_get_compiler_ir(((tf.constant(x), labels),))(stage="hlo") for x in ids]
     finally:
         tfmp.configure_precision("float32")
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
     assert hlo[0] == hlo[1]
 
 

@@ -116,7 +116,7 @@ def test_full_disk_during_a_save(tmp_path, monkeypatch):
     ):
         training.train_and_evaluate(cfg)
     monkeypatch.setattr(tf.train.CheckpointManager, "save", original)
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     model = models.MODELS["cnn"].build(10, input_shape=(28, 28, 1))
     optimizer = keras.optimizers.Adam()
     assert checkpoint.Checkpointer(str(tmp_path / "checkpoints"), model, optimizer).restore() == 2

@@ -69,7 +69,7 @@ def steps_after(strategy, jit_compile, steps_count, policy="float32", configure=
     """(the model, its `Steps`) after `steps_count` updates of 32 examples, each dispatched
     and read alone, in a fresh Keras session under `policy` (set after clearing the session,
     which resets it); `configure(steps)` runs after compiling, before the first update."""
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
     model, _ = build(strategy)
