@@ -1,6 +1,9 @@
 """tfmp.fit on users' own models: the same weights as model.fit, replicas, accumulation,
 callbacks, bad use, loss-scale wrapping and strategies without merge calls."""
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ import tiny
 from conftest import assert_same, regression, regression_data, seeded, weights
 
 import tfmp
+from tfmp import inputs
 from tfmp.errors import UsageError
 
 
@@ -311,6 +315,33 @@ def test_steps_per_execution_trains_the_same_weights():
     tfmp.fit(grouped, regression_data(), epochs=2, steps_per_execution=3, callbacks=[counter], verbose=0)
     assert_same(weights(grouped), weights(one))
     assert batches == [2, 5, 6, 7] * 2
+
+
+@pytest.mark.parametrize("known_length", [False, True], ids=["unknown_length_no_xla", "known_length_xla"])
+def test_no_iterator_of_a_fit_outlives_it(monkeypatch, known_length):
+    # Each would hold its prefetched batches and tf.data's tuning thread; kept until the process
+    # ended, the bench's process took 25 s to exit, waiting for those threads.
+    made = []
+
+    def recording(make):
+        def record(self, *args):
+            iterator = make(self, *args)
+            made.append(weakref.ref(iterator))
+            return iterator
+
+        return record
+
+    for name in ("stream", "epoch"):  # One iterator a fit where the length is known, else one an epoch.
+        monkeypatch.setattr(inputs.Input, name, recording(getattr(inputs.Input, name)))
+    data = regression_data() if known_length else regression_data().filter(lambda *_: True)
+    tfmp.fit(regression(), data, epochs=2, validation_data=data, jit_compile=known_length, verbose=0)
+    failing = tiny.build(tf.distribute.get_strategy())[0]
+    failing.get_layer("inject").bad_replica.assign(0)
+    with pytest.raises(tfmp.TrainingError):  # A fit that fails lets go of its iterator too.
+        tfmp.fit(failing, tiny.dataset(16).train, steps_per_epoch=3, verbose=0)
+    gc.collect()
+    assert len(made) == (1 if known_length else 2) + 1
+    assert [ref() for ref in made] == [None] * len(made)
 
 
 def test_non_finite_loss_stops_with_the_culprit_named():

@@ -207,6 +207,8 @@ def fit(
             if distribute.num_workers(strategy) < 2:
                 raise
             raise PeerLost(guards.peer_message(e, saver)) from e
+        finally:  # The fit's iterators end with it, as Keras fit's do. Kept, each held its prefetched batches and
+            steps.release()  # tf.data's tuning thread, and the bench's process waited 25 s for those threads to exit.
 
 
 def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):

@@ -16,9 +16,8 @@ from absl import logging
 
 from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, keras_compat, packed, tf_compat, xla
 
-# What `Steps.train` returns besides the model's metric results.
 _FAILED = object()  # What a first call returns when XLA could not compile it.
-STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")
+STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")  # Besides metrics.
 
 
 class Steps:
@@ -30,8 +29,7 @@ class Steps:
         grad_accum_steps: batches whose gradients are summed into one update.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
         steps_per_execution: updates per call of `train` when the epoch has room for them.
-        jit_compile: run the update under XLA (see `compile`), and evaluation's forward
-            pass.
+        jit_compile: run the update under XLA (see `compile`), and evaluation's forward pass.
         sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
             accumulation, all-reduce, the overflow check and clipping (not on TPUs,
             whose all-reduce takes dense tensors; on one replica, only where the update
@@ -194,6 +192,10 @@ class Steps:
     def read(self, vector):
         """The dict `train` returns, from the vector `dispatch` returned: one device-to-host copy."""
         return self._outputs.unpack(vector.numpy())
+
+    def release(self):
+        """Drops the kept calls, and with them their iterators (prefetched batches, tf.data's tuning thread)."""
+        self._concrete.clear()
 
     def replica_gradients(self, batches):
         """Forward and backward passes over this replica's `batches`, gradients summed.
