@@ -89,8 +89,7 @@ class Steps:
         dense_update = fused.keras_densifies(inner)
         self._dense = [not self.sparse or (alone and (dense_update or bfloat16)) for bfloat16 in self._bf16]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
-        self._ran = False
-        self.fallback = None  # Why XLA failed at the first step, where it did (`_first_call`).
+        self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
         self.compile(jit_compile)
 
     def compile(self, jit_compile):
@@ -165,27 +164,30 @@ class Steps:
         return self.read(self.dispatch(iterator, updates))
 
     def dispatch(self, iterator, updates=1, gated=False):
-        """Queues `updates` updates from `iterator` on the device and returns at once, with
-        what they will return packed into one tensor (see `read`): nothing here waits for the
-        device. `gated`: an input of unknown length, whose epochs end with a failed read (see
-        `_replica_update`). The traced step is called directly (its concrete function, kept
-        per iterator, its inputs flattened once: `tfmp.calls`): `tf.function`'s dispatch would
-        hash every argument and flatten it and every capture again each step.
-        """
+        """Queues `updates` updates from `iterator` and returns at once, with what they will return packed
+        into one tensor (see `read`). `gated`: an input of unknown length, whose epochs end with a failed read
+        (see `_replica_update`). The traced step is kept per iterator and called directly, its inputs flattened
+        once (`tfmp.calls`; `tf.function` would hash and flatten every argument and capture each step), from
+        the first call on on the executor later calls take: each executor instantiates the step anew (on one
+        CPU, a switch after the first step cost 40-550 ms once)."""
         gate = gated and not self.jit_compile  # XLA's one computation waits for its inputs anyway.
         key = (updates > 1, gate, id(iterator))
         kept = self._concrete.get(key)
-        if kept is None:
-            fn = (self._many if updates > 1 else self._one)[gate]
-            out = self._first_call(fn, iterator)
-            if out is _FAILED:  # XLA failed to compile: the same update without it.
-                return self.dispatch(iterator, updates, gated)
-            if len(self._concrete) > 8:  # Iterators of epochs gone.
-                self._concrete.clear()
-            self._concrete[key] = calls.Direct(fn.get_concrete_function(iterator), iterator)
-            return out
+        if kept is not None:
+            return self._call(kept, updates)
+        fn = (self._many if updates > 1 else self._one)[gate]
+        kept = calls.Direct(fn.get_concrete_function(iterator), iterator)  # Traced, not yet run.
+        out = self._first_call(self._call, kept, updates)
+        if out is _FAILED:  # XLA failed to compile: the same update without it.
+            return self.dispatch(iterator, updates, gated)
+        if len(self._concrete) > 8:  # Iterators of epochs gone.
+            self._concrete.clear()
+        self._concrete[key] = kept
+        return out
+
+    def _call(self, kept, updates):
         if self._lean and updates == 1:  # (Several updates loop outside XLA.)
-            out, self._lean = calls.single_threaded(kept)  # Refused once, not tried again.
+            out, self._lean = calls.single_threaded(kept)  # Refused once (before it runs), not tried again.
             return out
         return kept()
 
@@ -347,10 +349,7 @@ class Steps:
 
     def first_non_finite_gradient(self, finite):
         """The path of the first variable whose reduced gradient was non-finite, or None."""
-        for index, ok in zip(self.applied, finite, strict=True):
-            if not ok:
-                return self.variables[index].path
-        return None
+        return next((self.variables[i].path for i, ok in zip(self.applied, finite, strict=True) if not ok), None)
 
     # ---- evaluation ----
 
