@@ -167,9 +167,9 @@ class Steps:
         """Queues `updates` updates from `iterator` and returns at once, with what they will return packed
         into one tensor (see `read`). `gated`: an input of unknown length, whose epochs end with a failed read
         (see `_replica_update`). The traced step is kept per iterator and called directly, its inputs flattened
-        once (`tfmp.calls`; `tf.function` would hash and flatten every argument and capture each step), from
-        the first call on on the executor later calls take: each executor instantiates the step anew (on one
-        CPU, a switch after the first step cost 40-550 ms once)."""
+        once (`tfmp.calls`; `tf.function` would hash and flatten every argument and capture each step). Its first
+        call runs on the executor the later ones take: each executor instantiates the step anew (on one CPU,
+        a switch after the first step cost 40-550 ms once)."""
         gate = gated and not self.jit_compile  # XLA's one computation waits for its inputs anyway.
         key = (updates > 1, gate, id(iterator))
         kept = self._concrete.get(key)
