@@ -185,14 +185,13 @@ def test_the_xla_step_on_one_cpu_runs_on_the_single_threaded_executor_to_the_sam
 def test_the_first_step_runs_on_the_executor_of_the_steps_after_it(monkeypatch):
     # Each executor instantiates the step anew: a first step on the default executor, then the others on the
     # single-threaded one, instantiated it twice (40-550 ms once a fit on the report's smoke models).
-    executors = []
+    executors, single_threaded = [], calls.single_threaded
 
     def recorded(call):
         out = single_threaded(call)
         executors.append("single-threaded" if out[1] else "default")
         return out
 
-    single_threaded = calls.single_threaded
     monkeypatch.setattr(calls, "single_threaded", recorded)
     _, compiled = tiny.steps_after(tf.distribute.get_strategy(), True, 3)
     assert compiled._lean  # noqa: SLF001
