@@ -61,7 +61,7 @@ def half_squares(g):
     return tf.nn.l2_loss(tf.cast(values(g), tf.float32))
 
 
-# Whether `half_squares_all` groups by shape: None follows `Steps`' rule (under XLA on a GPU);
+# Whether `half_squares_all` groups by shape: None follows `Steps`' rule (under XLA on a GPU, without on a CPU);
 # True or False forces it (`python -m tfmp.bench.gpu_report --grouped_norm`).
 GROUPED = None
 # The largest gradient grouped (numbers). Should XLA copy a stack, the copy moves its bytes
@@ -73,9 +73,10 @@ GROUP_MOST = 1 << 18
 def half_squares_all(grads, grouped):
     """[`half_squares`(g) for g in grads], as one vector. Grouped, the dense gradients of one
     shape and dtype are stacked and reduced together: one reduction per shape instead of one
-    per gradient, each a kernel on a GPU. Only gradients of at most `GROUP_MOST` numbers:
-    the launches saved are the small ones', and a large stack's copy would cost more. Either
-    way each gradient's sum is its own, so which one is not finite stays known."""
+    per gradient, each a kernel on a GPU (an op to dispatch without XLA). Only gradients of
+    at most `GROUP_MOST` numbers: the launches saved are the small ones', and a large stack's
+    copy would cost more. Either way each gradient's sum is its own, so which one is not
+    finite stays known."""
     if not grouped:
         return tf.stack([half_squares(g) for g in grads])
     groups = {}

@@ -124,11 +124,12 @@ class Steps:
         self._test = tf.function(self._test_step, reduce_retracing=True, autograph=False)
         # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA computation:
         # the default executor's hand-offs cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras'
-        # element-wise optimizers run side by side), nor on GPUs or TPUs (not measured). The norm's reductions per
-        # shape on a GPU, where each is a launch (DECISIONS.md); on a CPU per gradient, which is faster there.
+        # element-wise optimizers run side by side), nor on GPUs or TPUs (not measured). The norm's reductions one a
+        # shape where each would be an op of its own: under XLA on a GPU (a launch each) and without XLA on a CPU (an
+        # op each for the executor); per gradient under XLA on a CPU, which fuses them (DECISIONS.md).
         gpu = bool(tf.config.list_logical_devices("GPU"))
         self._lean = self.jit_compile and one and not tpu and not gpu
-        self._grouped = gradients.GROUPED if gradients.GROUPED is not None else self.jit_compile and gpu and not tpu
+        self._grouped = gradients.GROUPED if gradients.GROUPED is not None else gpu == self.jit_compile and not tpu
 
     def _fall_back(self, error):
         self.fallback = xla.reason(error)
