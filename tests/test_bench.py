@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from tfmp import precision
+from tfmp import gradients, precision
 from tfmp.bench import micro, pool, pytorch, runs, tables
 
 
@@ -103,6 +103,16 @@ def test_sparse_steps_time_dense_against_sparse_on_two_replicas(mirrored):
     (sparse,) = micro.sparse_steps([500], mirrored, batch_size=16, sequence_length=8, rounds=2, steps_per_turn=2)
     assert sparse["vocab_size"] == 500 and sparse["replicas"] == 2
     assert sparse["dense_ms"] > 0 and sparse["sparse_ms"] > 0 and sparse["speedup"] > 0
+
+
+def test_norm_costs_time_per_gradient_against_grouped_and_keras():
+    (sgd, adam) = micro.norm_costs(rounds=2, layers=3, steps_per_turn=2, policies=["mixed_float16"], say=print)
+    assert (sgd["optimizer"], adam["optimizer"]) == ("SGD", "Adam")
+    for cell in (sgd, adam):
+        assert cell["policy"] == "mixed_float16" and len(cell["rounds"]) == 2
+        assert min(cell[f"{v} ms"] for v in ("keras", "per gradient", "grouped")) > 0
+        assert cell["speed grouped / per gradient"] > 0
+    assert gradients.GROUPED is None  # Back to the rule.
 
 
 def test_update_times_keras_against_fused():

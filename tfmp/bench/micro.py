@@ -1,6 +1,6 @@
-"""The benchmark's small measurements: each training loop's own cost per step, the Adam
-update (Keras' element-wise ops against tfmp's fused kernels), and the transformer step
-with its embedding gradient dense or sparse."""
+"""The benchmark's small measurements: each training loop's own cost per step, the norm's
+reductions per gradient or one a shape, the Adam update (Keras' element-wise ops against
+tfmp's fused kernels), and the transformer step with its embedding gradient dense or sparse."""
 
 import functools
 import math
@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fused, inputs, loop, precision, steps, timing
+from tfmp import fused, gradients, inputs, loop, precision, steps, timing
 from tfmp.app import models
 from tfmp.bench import lockstep, realsize
 from tfmp.bench.runs import FitRunner
@@ -29,6 +29,32 @@ LOOP_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 LOOP_OPTIMIZERS = {"SGD": keras.optimizers.SGD, "Adam": keras.optimizers.Adam}
 
 
+def _mlp_data():
+    rng = np.random.default_rng(0)
+    x = rng.random((1024, 16), dtype=np.float32)
+    return tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
+
+
+def _mlp(layers):
+    """`layers` Dense layers of width 16: 2 variables a layer, each step's math small."""
+    hidden = [keras.layers.Dense(16, activation="relu") for _ in range(layers - 1)]
+    return keras.Sequential([keras.Input((16,)), *hidden, keras.layers.Dense(10, activation="softmax")])
+
+
+def _lockstep_rounds(runners, rounds, steps_per_turn):
+    """{name: [median ms a step, per round]}: `runners` ({name: FitRunner}, warmed) trained
+    in lockstep, a step of each in turn, the order changed every round."""
+    times = {name: [] for name in runners}
+    for round_index in range(rounds):
+        order = timing.in_turn(runners, round_index)
+        for _, runner in order:
+            runner.step_times = []
+        lockstep.run([runner for _, runner in order], steps_per_turn)
+        for name, runner in order:
+            times[name].append(1e3 * statistics.median(runner.step_times))
+    return times
+
+
 def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
     """Milliseconds per step of tfmp.fit and of Keras fit on a deep, narrow MLP (`layers`
     Dense layers of width 16, batch 32: 2 variables a layer, each step's math small), where
@@ -42,32 +68,18 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
     ratios (Keras' ms over tfmp's), as the bench's other ratios are."""
     machine = {"device": precision.device_name(), "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}"}
     say(f"loop cost on {machine['device']}, {machine['versions']}: {rounds} lockstep rounds a cell")
-    rng = np.random.default_rng(0)
-    x = rng.random((1024, 16), dtype=np.float32)
-    dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).repeat()
-
-    def build():
-        hidden = [keras.layers.Dense(16, activation="relu") for _ in range(layers - 1)]
-        return keras.Sequential([keras.Input((16,)), *hidden, keras.layers.Dense(10, activation="softmax")])
-
+    dataset = _mlp_data()
     cells = []
     for policy in LOOP_POLICIES:
         for xla_on in (False, True):
             for name, optimizer in LOOP_OPTIMIZERS.items():
                 keras.backend.clear_session()
+                build = functools.partial(_mlp, layers)
                 runners = {t: FitRunner(t, policy, build, dataset, 32, xla_on, optimizer) for t in TRAINERS}
                 for runner in runners.values():
                     runner.run(3)  # Trace, compile and warm up.
-                times, ratios = {t: [] for t in TRAINERS}, []
-                for round_index in range(rounds):
-                    order = timing.in_turn(runners, round_index)
-                    for _, runner in order:
-                        runner.step_times = []
-                    lockstep.run([runner for _, runner in order], steps_per_turn)
-                    ms = {t: 1e3 * statistics.median(runner.step_times) for t, runner in order}
-                    for trainer, value in ms.items():
-                        times[trainer].append(value)
-                    ratios.append(ms["keras"] / ms["tfmp"])
+                times = _lockstep_rounds(runners, rounds, steps_per_turn)
+                ratios = [k / t for k, t in zip(times["keras"], times["tfmp"], strict=True)]
                 cell = {"policy": policy, "xla": xla_on, "optimizer": name}
                 cell.update({f"{t}_ms": statistics.median(v) for t, v in times.items()})
                 cell["speedup"] = statistics.median(ratios)
@@ -81,6 +93,47 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
                 )
     geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cells))
     return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean, **machine}
+
+
+def norm_costs(rounds=5, layers=150, steps_per_turn=30, jit_compile=False, policies=LOOP_POLICIES, say=print):
+    """tfmp.fit's step with the norm's reductions per gradient and one a shape
+    (`gradients.GROUPED`), and Keras fit's, in lockstep on `loop_costs`' MLP, for each of
+    its policies and optimizers: the measurement behind `Steps`' rule on this device.
+    Returns each cell's ms a step and its speed grouped / per gradient (the median of the
+    per-round ratios)."""
+    say(
+        f"norm cost on {precision.device_name()}, XLA {'on' if jit_compile else 'off'}: {rounds} lockstep rounds a cell"
+    )
+    dataset, cells = _mlp_data(), []
+    for policy in policies:
+        for name, optimizer in LOOP_OPTIMIZERS.items():
+            keras.backend.clear_session()
+            runners = {}
+            for variant, grouped in (("keras", None), ("per gradient", False), ("grouped", True)):
+                trainer = "keras" if grouped is None else "tfmp"
+                runners[variant] = FitRunner(
+                    trainer, policy, functools.partial(_mlp, layers), dataset, 32, jit_compile, optimizer
+                )
+                try:
+                    gradients.GROUPED = grouped  # Read when tfmp's step is compiled, in its first run.
+                    runners[variant].run(3)
+                finally:
+                    gradients.GROUPED = None
+                if grouped is not None:  # The step took the variant asked for.
+                    assert loop._STEPS[runners[variant].model][2]._grouped is grouped  # noqa: SLF001
+            times = _lockstep_rounds(runners, rounds, steps_per_turn)
+            ratios = [p / g for p, g in zip(times["per gradient"], times["grouped"], strict=True)]
+            cell = {"policy": policy, "optimizer": name, **{f"{v} ms": statistics.median(t) for v, t in times.items()}}
+            cell.update({"speed grouped / per gradient": statistics.median(ratios), "rounds": ratios})
+            cells.append(cell)
+            say(
+                f"norm cost, {policy}, {name}: "
+                + ", ".join(f"{v} {cell[f'{v} ms']:.2f} ms" for v in runners)
+                + f"; grouped / per gradient {cell['speed grouped / per gradient']:.3f}x (rounds "
+                + ", ".join(f"{r:.3f}" for r in ratios)
+                + ")"
+            )
+    return cells
 
 
 def update_times(name, rounds=5, calls_per_turn=3):
