@@ -15,6 +15,9 @@ from conftest import GPUS, REPO
 from tfmp.bench import float8_hlo, gpu_report, gpu_tables, pytorch
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+if GPUS:  # Tiny stand-ins: XLA's autotuning of each GEMM and convolution (Triton's configurations
+    # above all) would be most of a GPU's compile time here, and the smoke times nothing.
+    ENV["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 
 
 def _report(tmp_path, *flags, timeout=600):
