@@ -67,6 +67,8 @@ def test_batch_plan_splits_and_scales():
     assert distribute.plan_batch(64, 1, 0.1).learning_rate == pytest.approx(0.1)
     table = plan.table()
     assert "per-replica batch           64" in table and "effective batch per update  1024" in table
+    assert "learning rate               0.4 (sqrt scaling of 0.1 at batch 64)" in table
+    assert "0.1 (as given, not scaled with the batch)" in distribute.plan_batch(64, 1, 0.1).table()
 
 
 def test_batch_that_does_not_divide_quotes_both_numbers():

@@ -197,14 +197,15 @@ class BatchPlan:
             ("global batch", self.global_batch),
             ("grad accumulation steps", self.grad_accum_steps),
             ("effective batch per update", self.effective_batch),
-            (
-                "learning rate",
-                f"{self.learning_rate:.6g} ({self.lr_scaling} scaling of "
-                f"{self.base_learning_rate:g} at batch {self.base_batch})",
-            ),
+            ("learning rate", f"{self.learning_rate:.6g} ({self._learning_rate_origin()})"),
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+    def _learning_rate_origin(self):
+        if self.lr_scaling == "none":
+            return "as given, not scaled with the batch"
+        return f"{self.lr_scaling} scaling of {self.base_learning_rate:g} at batch {self.base_batch}"
 
 
 def plan_batch(
