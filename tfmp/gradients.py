@@ -4,6 +4,8 @@ An embedding lookup's gradient touches only the rows looked up; tfmp sums, all-r
 checks and clips it in that form instead of as a dense (vocabulary x width) tensor.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 
@@ -68,6 +70,17 @@ GROUPED = None
 # twice: for 2^18 float32 (1 MB) about 0.7 us at ~3 TB/s, a fraction of the launch of a few
 # microseconds that grouping saves; from about 2^20 on, the copy would cost more than that.
 GROUP_MOST = 1 << 18
+
+
+@contextlib.contextmanager
+def forced_grouping(grouped):
+    """`GROUPED` set to `grouped` for the steps compiled inside the block (the benches' variants), then as before."""
+    global GROUPED
+    before, GROUPED = GROUPED, grouped
+    try:
+        yield
+    finally:
+        GROUPED = before
 
 
 def half_squares_all(grads, grouped):

@@ -58,10 +58,9 @@ def _variant(name, model_name, policy, optimizer, batch, smoke):
         model.make_train_function()
         step = lambda: float(model.train_function(iterator)["loss"])  # noqa: E731
     else:
-        gradients.GROUPED = name == "grouped"  # Read when the steps are compiled.
-        steps = loop.prepare(model, tf.distribute.get_strategy(), dataset.element_spec)
-        steps.compile(True)
-        gradients.GROUPED = None
+        with gradients.forced_grouping(name == "grouped"):  # Read when the steps are compiled.
+            steps = loop.prepare(model, tf.distribute.get_strategy(), dataset.element_spec)
+            steps.compile(True)
         assert steps._grouped == (name == "grouped")
         step = lambda: steps.train(iterator)  # noqa: E731
     began = time.perf_counter()

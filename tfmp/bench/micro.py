@@ -68,13 +68,11 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
     ratios (Keras' ms over tfmp's), as the bench's other ratios are."""
     machine = {"device": precision.device_name(), "versions": f"TensorFlow {tf.__version__}, Keras {keras.__version__}"}
     say(f"loop cost on {machine['device']}, {machine['versions']}: {rounds} lockstep rounds a cell")
-    dataset = _mlp_data()
-    cells = []
+    dataset, build, cells = _mlp_data(), functools.partial(_mlp, layers), []
     for policy in LOOP_POLICIES:
         for xla_on in (False, True):
             for name, optimizer in LOOP_OPTIMIZERS.items():
                 keras.backend.clear_session()
-                build = functools.partial(_mlp, layers)
                 runners = {t: FitRunner(t, policy, build, dataset, 32, xla_on, optimizer) for t in TRAINERS}
                 for runner in runners.values():
                     runner.run(3)  # Trace, compile and warm up.
@@ -104,21 +102,16 @@ def norm_costs(rounds=5, layers=150, steps_per_turn=30, jit_compile=False, polic
     say(
         f"norm cost on {precision.device_name()}, XLA {'on' if jit_compile else 'off'}: {rounds} lockstep rounds a cell"
     )
-    dataset, cells = _mlp_data(), []
+    dataset, build, cells = _mlp_data(), functools.partial(_mlp, layers), []
     for policy in policies:
         for name, optimizer in LOOP_OPTIMIZERS.items():
             keras.backend.clear_session()
             runners = {}
             for variant, grouped in (("keras", None), ("per gradient", False), ("grouped", True)):
                 trainer = "keras" if grouped is None else "tfmp"
-                runners[variant] = FitRunner(
-                    trainer, policy, functools.partial(_mlp, layers), dataset, 32, jit_compile, optimizer
-                )
-                try:
-                    gradients.GROUPED = grouped  # Read when tfmp's step is compiled, in its first run.
+                runners[variant] = FitRunner(trainer, policy, build, dataset, 32, jit_compile, optimizer)
+                with gradients.forced_grouping(grouped):  # Read when tfmp's step is compiled, in its first run.
                     runners[variant].run(3)
-                finally:
-                    gradients.GROUPED = None
                 if grouped is not None:  # The step took the variant asked for.
                     assert loop._STEPS[runners[variant].model][2]._grouped is grouped  # noqa: SLF001
             times = _lockstep_rounds(runners, rounds, steps_per_turn)
