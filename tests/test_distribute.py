@@ -30,11 +30,17 @@ def test_mirrored_over_the_gpus_else_the_logical_cpus():
     assert distribute.is_chief(strategy)
 
 
-def test_tpu_missing_is_one_clear_error():
+@pytest.mark.parametrize("host", ["bare", "markers"])
+def test_tpu_missing_is_one_clear_error(monkeypatch, host):
+    # Bare: said before TensorFlow's TPU start. Markers (a TPU VM's device files, say, but no TPU that
+    # TensorFlow can start): TensorFlow's own failure, in one line.
+    if host == "markers":
+        monkeypatch.setattr(distribute, "_tpu_present", lambda: True)
     with pytest.raises(UsageError) as e:
         distribute.get_strategy("tpu", tpu="local")
     message = str(e.value)
     assert "no TPU found" in message and "--tpu=local" in message and "\n" not in message
+    assert ("shows no TPU device" in message) == (host == "bare"), message
 
 
 def test_multi_worker_needs_tf_config(monkeypatch):
