@@ -49,7 +49,7 @@ def _tpu_present():
 
 def _tpu_strategy(tpu):
     address = tpu or "local"
-    if address in ("local", "") and not _tpu_present():
+    if address == "local" and not _tpu_present():
         # Said at once: TensorFlow's TPU start clears the process's eager caches and collects its garbage
         # before it finds no TPU (seconds to a minute in a long-lived process, a notebook's or a test run's).
         raise UsageError(
