@@ -50,8 +50,8 @@ def _tpu_present():
 def _tpu_strategy(tpu):
     address = tpu or "local"
     if address == "local" and not _tpu_present():
-        # Said at once: TensorFlow's TPU start clears the process's eager caches and collects its garbage
-        # before it finds no TPU (seconds to a minute in a long-lived process, a notebook's or a test run's).
+        # Said at once, without TensorFlow's TPU start: that clears the process's eager caches and collects its
+        # garbage before it finds no TPU, a cost that grows with what the process holds (a notebook's, a test run's).
         raise UsageError(
             f"--strategy=tpu: no TPU found at tpu={address!r} (this host shows no TPU device, /dev/accel0, "
             "/dev/vfio device, TPU_NAME or COLAB_TPU_ADDR); on a Colab or Cloud TPU VM use --tpu=local, else "
