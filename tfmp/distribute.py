@@ -47,27 +47,27 @@ def _tpu_present():
     return bool(tf.config.list_logical_devices("TPU"))
 
 
+def _no_tpu(address, why):
+    return UsageError(
+        f"--strategy=tpu: no TPU found at tpu={address!r} ({why}); on a Colab or Cloud TPU VM use --tpu=local, "
+        "else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"
+    )
+
+
 def _tpu_strategy(tpu):
     address = tpu or "local"
     if address == "local" and not _tpu_present():
         # Said at once, without TensorFlow's TPU start: that clears the process's eager caches and collects its
         # garbage before it finds no TPU, a cost that grows with what the process holds (a notebook's, a test run's).
-        raise UsageError(
-            f"--strategy=tpu: no TPU found at tpu={address!r} (this host shows no TPU device, /dev/accel0, "
-            "/dev/vfio device, TPU_NAME or COLAB_TPU_ADDR); on a Colab or Cloud TPU VM use --tpu=local, else "
-            "--tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"
-        )
+        shows = "this host shows no TPU device, /dev/accel0, /dev/vfio device, TPU_NAME or COLAB_TPU_ADDR"
+        raise _no_tpu(address, shows)
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
-        if address not in ("local", ""):
+        if address != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - a wrong name or address fails in many ways (URLError, ...).
-        first = first_line(e)
-        raise UsageError(
-            f"--strategy=tpu: no TPU found at tpu={address!r} ({first}); on a Colab or Cloud "
-            "TPU VM use --tpu=local, else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"
-        ) from e
+        raise _no_tpu(address, first_line(e)) from e
     return tf.distribute.TPUStrategy(resolver)
 
 
