@@ -242,6 +242,22 @@ def test_changed_settings_resume_with_force_and_more_epochs_continue(trained, tm
     assert json.loads((model_dir / "run.json").read_text())["batch_size"] == 32
 
 
+def test_a_finished_run_run_again_says_so_and_keeps_its_training_figures(trained, tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    shutil.copytree(trained, model_dir)
+    before = json.loads((model_dir / "metrics.json").read_text())
+    capsys.readouterr()
+    args = ["--dataset=synthetic", "--epochs=2", "--steps_per_epoch=2", "--batch_size=16", "--precision=float32"]
+    assert run_main(*args, "--checkpoint_every=2", f"--model_dir={model_dir}") == 0
+    out = capsys.readouterr().out
+    assert "resumed     from batch 4 of 4: nothing left to train (more --epochs train on)" in out
+    assert "(nothing left to train: its 4 batches ran before;" in out and "train examples/s" not in out
+    after = json.loads((model_dir / "metrics.json").read_text())
+    assert before["examples_per_second"] > 0 and after["steps"] == before["steps"] == 4
+    for key in ("examples_per_second", "train_seconds", "weights_sha256", "test_accuracy"):
+        assert after[key] == before[key], key
+
+
 def test_sigterm_during_final_evaluation_exits_75(tmp_path, capsys, monkeypatch):
     evaluate = training.loop.evaluate
 

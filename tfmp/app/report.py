@@ -30,7 +30,8 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
     ]
     if start_step:
         total = config.epochs * steps * plan.grad_accum_steps
-        lines.insert(-1, f"resumed     from batch {start_step} of {total}")
+        done = ": nothing left to train (more --epochs train on)" if start_step >= total else ""
+        lines.insert(-1, f"resumed     from batch {start_step} of {total}{done}")
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)

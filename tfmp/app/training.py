@@ -1,6 +1,7 @@
 """A whole training run as plain steps: strategy, seed, precision, data, model, train, evaluate."""
 
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -95,10 +96,11 @@ def _diagnose(config, build_model, strategy, ds, out):
     return diagnosis.to_dict()
 
 
-def train_and_evaluate(config, out=sys.stdout):
-    """See `_train_and_evaluate`; holds the run directory's lock while it runs."""
+def train_and_evaluate(config, out=None):
+    """See `_train_and_evaluate`; holds the run directory's lock while it runs. `out`: sys.stdout as it is
+    at the call (redirected, captured), unless given."""
     with contextlib.ExitStack() as cleanup:
-        return _train_and_evaluate(config, out, cleanup)
+        return _train_and_evaluate(config, sys.stdout if out is None else out, cleanup)
 
 
 class _Setup:
@@ -241,12 +243,27 @@ def _record(config, run, model, fitted, say):
     if config.export_dir and run.chief:
         metrics["export"] = _export(config, run.entry, model, ds)
     path = os.path.join(run.model_dir, "metrics.json")
+    trained = f"{rate:,.0f} train examples/s"
+    if run.start >= config.epochs * run.steps * run.plan.grad_accum_steps:  # A finished run, evaluated again.
+        metrics.update(_training_figures(path))
+        trained = f"nothing left to train: its {run.start} batches ran before"
     files.write_json(path, metrics)
     say(
-        f"test accuracy {test['accuracy']:.4f}  test loss {test['loss']:.4f}  ({rate:,.0f} train examples/s; "
+        f"test accuracy {test['accuracy']:.4f}  test loss {test['loss']:.4f}  ({trained}; "
         f"{metrics['skipped_steps']} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})"
     )
     return metrics
+
+
+def _training_figures(path):
+    """The throughput and training time of the run that trained the weights (its metrics.json), None if unknown:
+    evaluating a finished run again times no training."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        earlier = {}
+    return {key: earlier.get(key) for key in ("examples_per_second", "train_seconds")}
 
 
 def _load_data(config, entry, plan, strategy):
