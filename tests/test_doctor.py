@@ -142,6 +142,16 @@ def _command(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def test_doctor_command_errors_in_one_line_and_lists_its_flags():
+    """No TensorFlow start-up lines (its package loads TensorFlow only on use), as train.py."""
+    bad = _command("-m", "tfmp.doctor", "--model=bogus")
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "tfmp.doctor: error: unknown --model='bogus'; choose one of cnn, resnet, lstm, transformer"
+    ]
+    usage = _command("-m", "tfmp.doctor", "--helpshort")
+    assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
+
+
 def test_doctor_command_and_train_diagnose(tmp_path):
     report = _command("-m", "tfmp.doctor", "--model=cnn", "--steps=2", f"--output_dir={tmp_path / 'doc'}")
     assert report.returncode == 0, report.stderr[-2000:]

@@ -120,6 +120,5 @@ def main(argv):
 
 
 def run():
-    """The command (`tfmp/doctor/__main__.py` has already started quietly)."""
-    define_flags()
+    """The command (`tfmp/doctor/__main__.py` has started quietly and defined the flags)."""
     app.run(main, flags_parser=cli.flags_parser("tfmp.doctor"))

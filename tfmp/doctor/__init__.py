@@ -16,7 +16,29 @@ command line (`python -m tfmp.doctor --help`, for the bundled models) is the tra
 application's: `tfmp/app/doctor_cli.py`.
 """
 
-from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
-from tfmp.doctor.measure import diagnose, localize_non_finite, nearest_drops, parity
+import importlib
 
-__all__ = ["FLOAT16_MAX", "Diagnosis", "diagnose", "localize_non_finite", "nearest_drops", "parity"]
+# Loaded on first use, as tfmp's own names: `python -m tfmp.doctor` imports this package before its
+# `__main__` can keep TensorFlow's start-up lines off stderr, so nothing here may import TensorFlow.
+_EXPORTS = {
+    "FLOAT16_MAX": "tfmp.doctor.diagnosis",
+    "Diagnosis": "tfmp.doctor.diagnosis",
+    "diagnose": "tfmp.doctor.measure",
+    "localize_non_finite": "tfmp.doctor.measure",
+    "nearest_drops": "tfmp.doctor.measure",
+    "parity": "tfmp.doctor.measure",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfmp.doctor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,7 +1,15 @@
-"""`python -m tfmp.doctor`: an entry point, at the top of the import graph (nothing imports
-it), so it may start the training application's doctor command for the bundled models."""
+"""The numerics doctor for the bundled models: which layers overflow float16, where
+gradients underflow, which loss scale to start from; or accuracy parity over seeds.
 
+python -m tfmp.doctor --model=transformer --policy=mixed_float16   # per-layer float16 report
+python -m tfmp.doctor --parity --model=lstm --seeds=3               # float32 vs mixed accuracy
+"""
+
+# An entry point, at the top of the import graph (nothing imports it), so it may start the
+# training application's doctor command; the package above it imports no TensorFlow.
 import sys
+
+from absl import flags
 
 from tfmp import cli
 
@@ -9,4 +17,6 @@ cli.quiet_start(sys.argv, "tfmp.doctor")  # Before TensorFlow loads.
 
 from tfmp.app import doctor_cli  # noqa: E402
 
+doctor_cli.define_flags()
+flags.adopt_module_key_flags(doctor_cli)  # --helpshort lists them: this module is the program.
 doctor_cli.run()
