@@ -201,3 +201,7 @@ def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
     assert result.returncode == 2 and "not an executable Python" in result.stderr
     result = subprocess.run([*bench[:3], "--models=resnet5"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "unknown model 'resnet5'; choose from cnn, resnet" in result.stderr
+    result = subprocess.run([*bench[:3], "--rounds=0"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.endswith(
+        "bench: error: flag --rounds=0: 0 is not a positive integer\n"
+    )

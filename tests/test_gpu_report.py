@@ -103,6 +103,10 @@ def test_bad_flags_are_refused_naming_the_flag(tmp_path):
     result = _report(tmp_path, "--part=4", "--precisions=mixed_bfloat16,float8", timeout=120)
     trains = "float32, mixed_float16, mixed_bfloat16, bfloat16"
     assert result.returncode == 2 and f"--precisions=mixed_bfloat16,float8: --part=4 trains {trains}" in result.stderr
+    result = _report(tmp_path, "--part=1", "--rounds=0", timeout=120)  # absl's own check: one line, as tfmp's.
+    assert result.returncode == 2 and result.stderr.endswith(
+        "gpu_report: error: flag --rounds=0: 0 is not a positive integer\n"
+    )
 
 
 def test_the_log_says_what_is_still_running_when_quiet(tmp_path):

@@ -19,7 +19,7 @@ import time  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tfmp import files, precision  # noqa: E402
+from tfmp import cli, files, precision  # noqa: E402
 from tfmp.app.config import JIT_COMPILE  # noqa: E402
 from tfmp.bench import measure, micro, pytorch, realsize, runs, tables  # noqa: E402
 
@@ -44,16 +44,28 @@ flags.DEFINE_integer(
     f"Global batch size (default: {BUNDLED_BATCH} for the bundled models; "
     + ", ".join(f"{name} {batch}" for name, batch in realsize.BATCH_SIZES.items())
     + ").",
+    lower_bound=1,
 )
-flags.DEFINE_integer("rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.")
-flags.DEFINE_float("round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.")
-flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.")
+flags.DEFINE_integer(
+    "rounds", 3, "Rounds; in each, every policy is trained by tfmp and by Keras fit in turn.", lower_bound=1
+)
+flags.DEFINE_float(
+    "round_seconds", 24.0, "About how long one round of one model takes, shared by its turns.", lower_bound=1e-3
+)
+flags.DEFINE_integer("max_steps", 100, "Most timed steps in one turn.", lower_bound=1)
 flags.DEFINE_enum("jit_compile", "auto", list(JIT_COMPILE), "tfmp.fit's jit_compile (Keras fit: its default).")
 flags.DEFINE_integer(
-    "matmul_size", None, "Square matmul size for the peak FLOP/s micro-benchmark (default: GPU 8192, CPU 2048)."
+    "matmul_size",
+    None,
+    "Square matmul size for the peak FLOP/s micro-benchmark (default: GPU 8192, CPU 2048).",
+    lower_bound=1,
 )
-flags.DEFINE_integer("autotune_runs", 3, "Independent autotune trials per bundled model, compared with the rounds.")
-flags.DEFINE_float("trial_seconds", 45.0, "At most this many seconds of alternating rounds in each autotune trial.")
+flags.DEFINE_integer(
+    "autotune_runs", 3, "Independent autotune trials per bundled model, compared with the rounds.", lower_bound=0
+)
+flags.DEFINE_float(
+    "trial_seconds", 45.0, "At most this many seconds of alternating rounds in each autotune trial.", lower_bound=1e-3
+)
 flags.DEFINE_list("sparse_vocab", ["20000", "200000"], "Transformer vocabularies timed with dense vs sparse gradients.")
 flags.DEFINE_integer(
     "sparse_replicas",
@@ -61,12 +73,16 @@ flags.DEFINE_integer(
     "Replicas for the sparse check: above 1, a MirroredStrategy over that many GPUs, or over logical CPU devices "
     "on a CPU (where the all-reduce is what a dense embedding gradient costs). On 1 the check is skipped: with "
     "nothing to all-reduce, tfmp makes Adam's embedding gradient dense at once, as its update would.",
+    lower_bound=1,
 )
 flags.DEFINE_list("update_models", ["resnet50", "bert_base"], "Real-size models whose Adam update is timed.")
 flags.DEFINE_integer(
-    "overhead_rounds", 3, "Alternating rounds timing each training loop's own cost per step, 12 settings (0: skip)."
+    "overhead_rounds",
+    3,
+    "Alternating rounds timing each training loop's own cost per step, 12 settings (0: skip).",
+    lower_bound=0,
 )
-flags.DEFINE_integer("overhead_layers", 150, "Dense layers of the loop-cost MLP (2 variables each).")
+flags.DEFINE_integer("overhead_layers", 150, "Dense layers of the loop-cost MLP (2 variables each).", lower_bound=1)
 flags.DEFINE_string(
     "pytorch",
     "auto",
@@ -250,4 +266,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("bench"))

@@ -42,7 +42,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tfmp import bf16, callbacks, files, gradients, precision, timing  # noqa: E402
+from tfmp import bf16, callbacks, cli, files, gradients, precision, timing  # noqa: E402
 from tfmp.bench import float8_hlo, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
 MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
@@ -97,10 +97,13 @@ def define_flags():
         "budget_seconds",
         450.0,
         "A part warms no new fit after this many seconds (the last warm-up and rounds end within 9 min).",
+        lower_bound=0.0,
     )
-    flags.DEFINE_integer("warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.")
-    flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.")
-    flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.")
+    flags.DEFINE_integer(
+        "warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.", lower_bound=1
+    )
+    flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.", lower_bound=1)
+    flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
     flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
     flags.DEFINE_list(
@@ -393,4 +396,4 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    app.run(main, flags_parser=cli.flags_parser("gpu_report"))
