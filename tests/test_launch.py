@@ -137,16 +137,20 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_and_a_rerun_resumes(tmp_pa
         assert_same(load(tmp_path / f"w{i}.npz"), one_process)
 
 
-def test_bad_launcher_arguments():
+def test_bad_launcher_arguments(capsys):
     for args, words in [
         (["--workers=0", SCRIPT], "--workers must be >= 1"),
         (["--hosts=a:1,b:2", SCRIPT], "--hosts needs --index"),
         (["--hosts=a:1,b:2", "--index=2", SCRIPT], "--index=2 must be in 0..1"),
         (["no_such_script.py"], "no script"),
+        (["--stall_timeout=0", SCRIPT], "--stall_timeout=0: seconds, more than 0"),
+        (["--startup_timeout=nan", SCRIPT], "--startup_timeout=nan: seconds, more than 0"),
+        (["--grace_seconds=-1", SCRIPT], "--grace_seconds=-1: seconds, 0 or more"),
     ]:
         with pytest.raises(SystemExit) as e:
             launch.parse(args)
-        assert e.value.code == 2, words
+        assert e.value.code == 2 and f"python -m tfmp.launch: error: {words}" in capsys.readouterr().err, words
+    assert launch.parse(["--grace_seconds=0", SCRIPT]).grace_seconds == 0
 
 
 def test_without_the_launcher_a_worker_that_loses_a_peer_says_so_in_one_line(tmp_path):

@@ -133,6 +133,10 @@ def parse(argv):
             parser.error(f"--index={options.index} must be in 0..{len(hosts) - 1}, --hosts HOST:PORT entries")
     elif options.workers < 1:
         parser.error(f"--workers must be >= 1, got {options.workers}")
+    for name in ("grace_seconds", "stall_timeout", "startup_timeout"):
+        value, zero_ok = getattr(options, name), name == "grace_seconds"  # 0: SIGKILL at once.
+        if not (value >= 0 if zero_ok else value > 0):  # nan too.
+            parser.error(f"--{name}={value:g}: seconds, {'0 or more' if zero_ok else 'more than 0'}")
     if not os.path.exists(options.script):
         parser.error(f"no script {options.script}")
     return options
