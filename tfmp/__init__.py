@@ -4,8 +4,7 @@ The public names load on first use, so that `import tfmp` is cheap and the comma
 entry points can silence TensorFlow's start-up before TensorFlow loads.
 """
 
-import importlib
-
+from tfmp import lazy as _lazy
 from tfmp import versions as _versions
 
 __version__ = "0.2.0"
@@ -41,15 +40,4 @@ _MODULES = ("float8",)  # tfmp.float8.quantize(model, exclude=...), tfmp.float8.
 __all__ = ["__version__", *sorted(_EXPORTS), *_MODULES]
 
 
-def __getattr__(name):
-    if name in _MODULES:
-        return importlib.import_module(f"tfmp.{name}")
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfmp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = _lazy.names(globals(), _EXPORTS, _MODULES)

@@ -16,7 +16,7 @@ command line (`python -m tfmp.doctor --help`, for the bundled models) is the tra
 application's: `tfmp/app/doctor_cli.py`.
 """
 
-import importlib
+from tfmp import lazy
 
 # Loaded on first use, as tfmp's own names: `python -m tfmp.doctor` imports this package before its
 # `__main__` can keep TensorFlow's start-up lines off stderr, so nothing here may import TensorFlow.
@@ -32,13 +32,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfmp.doctor' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy.names(globals(), _EXPORTS)
