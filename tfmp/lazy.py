@@ -8,12 +8,11 @@ def names(namespace, exports, modules=()):
     """(`__getattr__`, `__dir__`) for the package whose globals are `namespace`.
 
     Args:
-        namespace: the package's `globals()`; a name, once loaded, is kept there.
+        namespace: the package's `globals()`, its `__all__` defined; a name, once loaded, is kept there.
         exports: {public name: the module that defines it}.
         modules: submodules offered as attributes (`tfmp.float8`).
     """
     package = namespace["__name__"]
-    public = sorted([*exports, *modules])
 
     def __getattr__(name):
         if name in modules:
@@ -24,6 +23,6 @@ def names(namespace, exports, modules=()):
         return value
 
     def __dir__():
-        return [*namespace.get("__all__", public)]
+        return list(namespace["__all__"])
 
     return __getattr__, __dir__

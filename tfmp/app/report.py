@@ -9,8 +9,9 @@ import numpy as np
 from tfmp import bf16, distribute
 
 
-def summary(config, decision, strategy, plan, source, model, steps, start_step=0, xla=(False, "off")):
-    """The one-screen summary printed before training; `xla` is (XLA on?, why)."""
+def summary(config, decision, strategy, plan, source, model, steps, start_step, batches, xla=(False, "off")):
+    """The one-screen summary printed before training: `steps` updates an epoch, `batches` over every epoch,
+    resumed after `start_step` of them; `xla` is (XLA on?, why)."""
     lines = [
         "=" * 72,
         f"model       {config.model} ({model.count_params():,} parameters)",
@@ -29,9 +30,8 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step=0
         "=" * 72,
     ]
     if start_step:
-        total = config.epochs * steps * plan.grad_accum_steps
-        done = ": nothing left to train (more --epochs train on)" if start_step >= total else ""
-        lines.insert(-1, f"resumed     from batch {start_step} of {total}{done}")
+        done = ": nothing left to train (more --epochs train on)" if start_step >= batches else ""
+        lines.insert(-1, f"resumed     from batch {start_step} of {batches}{done}")
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)

@@ -136,6 +136,7 @@ class _Setup:
         # 5. Data, in global batches; every grad_accum_steps of them make one update.
         self.dataset, self.ds = _load_data(config, self.entry, plan, strategy)
         self.steps = _steps_per_epoch(config, self.ds, plan)
+        self.batches = config.epochs * self.steps * plan.grad_accum_steps  # Every epoch's, every update's.
         _check_batch_memory(plan, self.ds.source, config)
         self.checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
         latest = checkpoint.latest(self.checkpoint_dir)
@@ -201,7 +202,7 @@ def _train_and_evaluate(config, out, cleanup):
     # 7. Train with tfmp.fit (resuming from the latest checkpoint; the summary prints as
     # training begins, with what fit decided), 8. evaluate on every test example.
     summary = report.Summary(
-        say, config, run.decision, run.strategy, run.plan, run.ds.source, model, run.steps, run.start
+        say, config, run.decision, run.strategy, run.plan, run.ds.source, model, run.steps, run.start, run.batches
     )
     fitted = _train_and_test(config, run, model, summary, out)
     # 9. Record: metrics.json, training.png; export.
@@ -244,7 +245,7 @@ def _record(config, run, model, fitted, say):
         metrics["export"] = _export(config, run.entry, model, ds)
     path = os.path.join(run.model_dir, "metrics.json")
     trained = f"{rate:,.0f} train examples/s"
-    if run.start >= config.epochs * run.steps * run.plan.grad_accum_steps:  # A finished run, evaluated again.
+    if run.start >= run.batches:  # A finished run, evaluated again.
         metrics.update(_training_figures(path))
         trained = f"nothing left to train: its {run.start} batches ran before"
     files.write_json(path, metrics)

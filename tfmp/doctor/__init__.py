@@ -16,7 +16,7 @@ command line (`python -m tfmp.doctor --help`, for the bundled models) is the tra
 application's: `tfmp/app/doctor_cli.py`.
 """
 
-from tfmp import lazy
+from tfmp import lazy as _lazy
 
 # Loaded on first use, as tfmp's own names: `python -m tfmp.doctor` imports this package before its
 # `__main__` can keep TensorFlow's start-up lines off stderr, so nothing here may import TensorFlow.
@@ -32,4 +32,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-__getattr__, __dir__ = lazy.names(globals(), _EXPORTS)
+__getattr__, __dir__ = _lazy.names(globals(), _EXPORTS)
