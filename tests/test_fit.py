@@ -280,6 +280,26 @@ def test_class_weight_reaches_a_callable_input_and_survives_resume(tmp_path):
     assert_same(weights(straight), weights(theirs))
 
 
+@seeded
+def averaged():
+    model = regression()
+    model.compile(keras.optimizers.Adam(1e-2, use_ema=True), "mse")
+    return model
+
+
+def test_an_ema_optimizer_ends_on_its_averages_and_resumes_from_the_trained_weights(tmp_path):
+    """Keras fit ends by making use_ema's moving averages the weights; tfmp.fit too, and a run
+    resumed from its checkpoint (taken before that) trains on from the weights it trained."""
+    straight = averaged()
+    tfmp.fit(straight, regression_data(), epochs=3, verbose=0)
+    averages = straight.optimizer._model_variables_moving_average  # noqa: SLF001 - Keras keeps them there.
+    assert_same(weights(straight), [v.numpy() for v in averages], atol=0)
+    halves = averaged()
+    tfmp.fit(halves, regression_data(), epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    tfmp.fit(halves, regression_data(), epochs=3, verbose=0, checkpoint_dir=str(tmp_path))
+    assert_same(weights(halves), weights(straight))
+
+
 @pytest.mark.parametrize(
     "kwargs, data, words",
     [

@@ -101,6 +101,8 @@ class Run:
                     raise stop.error(self.step, self.saver.directory)
         if self.monitor is not None:
             self.monitor.flush()
+        if epochs > 0:  # As Keras fit ends: an optimizer with use_ema=True leaves its averages as the weights.
+            steps.optimizer.finalize_variable_values(model.trainable_weights)
         # A PyDataset's hooks run on its pipeline, ahead of training: its last end hook, as in Keras, before returning.
         if epochs == epoch > first and not model.stop_training and not source.end_hooks_ran(epochs):
             logging.warning(
