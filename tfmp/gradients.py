@@ -9,6 +9,16 @@ import contextlib
 import tensorflow as tf
 
 
+def shaped(grads, variables):
+    """Each gradient with its variable's static shape where tracing lost it (the gradient of
+    a matmul that broadcasts, say, whose shape is computed as it runs): packing the
+    gradients for the all-reduce and grouping their squares by shape need it."""
+    return [
+        g if g is None or isinstance(g, tf.IndexedSlices) or g.shape.is_fully_defined() else tf.ensure_shape(g, v.shape)
+        for g, v in zip(grads, variables, strict=True)
+    ]
+
+
 def add(a, b):
     """a + b; two IndexedSlices are concatenated (their rows are summed when deduplicated)."""
     if a is None:

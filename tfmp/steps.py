@@ -217,7 +217,7 @@ class Steps:
                 # replica count), plus regularization counted once after the sum.
                 loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
-            new = tape.gradient(scaled, self.variables)
+            new = gradients.shaped(tape.gradient(scaled, self.variables), self.variables)
             # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
             new = [gradients.to_float32(g) if low else g for g, low in zip(new, self._bf16, strict=True)]
             if grads is None:
