@@ -300,6 +300,36 @@ def test_an_ema_optimizer_ends_on_its_averages_and_resumes_from_the_trained_weig
     assert_same(weights(halves), weights(straight))
 
 
+class _StopAfter(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt  # The run stops, as a killed one would.
+
+
+def test_a_backup_and_restore_callback_resumes_at_its_epoch(tmp_path):
+    """As under Keras fit: the callback loads its weights and optimizer, and the fit goes on
+    from the epoch it saved, not from the first (which trained 4 more epochs after it)."""
+    straight = regression()
+    tfmp.fit(straight, regression_data(), epochs=4, verbose=0)
+    broken = regression()
+    with pytest.raises(KeyboardInterrupt):
+        tfmp.fit(broken, regression_data(), epochs=4, verbose=0, callbacks=[backup(tmp_path), _StopAfter(1)])
+    resumed = regression()
+    history = tfmp.fit(resumed, regression_data(), epochs=4, verbose=0, callbacks=[backup(tmp_path)])
+    assert history.epoch == [2, 3] and int(resumed.optimizer.iterations.numpy()) == 32  # 8 batches an epoch.
+    assert_same(weights(resumed), weights(straight), atol=0)
+    with pytest.raises(UsageError, match="give one"):
+        tfmp.fit(resumed, regression_data(), callbacks=[backup(tmp_path)], checkpoint_dir=str(tmp_path / "c"))
+
+
+def backup(tmp_path):
+    return keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+
+
 @pytest.mark.parametrize(
     "kwargs, data, words",
     [

@@ -218,3 +218,15 @@ def test_variable_index_decays_slots_of_and_with_slots():
     assert copy._momentums[1] == "stand-in" and adamw._momentums[1] is slots["_momentums"]  # noqa: SLF001
     assert copy._get_variable_index(a) == 1  # noqa: SLF001
     assert set(keras_compat.slots_of(keras.optimizers.SGD(0.1), 0)) == set()  # No momentum: no slot.
+
+
+def test_backup_epoch_is_the_epoch_backup_and_restore_restored(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    backup.set_model(model)
+    backup.on_epoch_end(2)  # Saves the weights and "the next epoch is 3".
+    assert keras_compat.backup_epoch(model) is None
+    backup.on_train_begin()
+    assert keras_compat.backup_epoch(model) == 3
+    assert keras_compat.backup_epoch(model) is None  # Taken.

@@ -9,7 +9,8 @@ building a model with its compiled loss and metrics from a data spec, for the la
 `model.fit` computes and the metric it reports it with, or for an optimizer's slot
 variables (tfmp's fused updates) and for running an optimizer's update on stand-ins
 (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
-`filters`; the seed `keras.utils.set_random_seed` was given has no getter. The uses of
+`filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a
+`BackupAndRestore` callback restored. The uses of
 TensorFlow's internals are in tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
@@ -286,6 +287,14 @@ def global_seed():
     from keras.src.utils import rng_utils  # noqa: PLC0415 - Keras' record of it, not public.
 
     return rng_utils.get_random_seed()
+
+
+def backup_epoch(model):
+    """The epoch a `keras.callbacks.BackupAndRestore` restored in its `on_train_begin` (Keras
+    fit starts there), or None; taken, so that no later fit starts there too."""
+    epoch = getattr(model, "_initial_epoch", None)
+    model._initial_epoch = None  # noqa: SLF001
+    return epoch
 
 
 def loss_tracker(model):

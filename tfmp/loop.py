@@ -315,6 +315,11 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
     for name in ("checkpoint_dir", "log_dir"):
         if kw[name]:
             checkpoint.check_writable(kw[name], name)
+    if kw["checkpoint_dir"] and any(isinstance(c, keras.callbacks.BackupAndRestore) for c in kw["callbacks"] or ()):
+        raise UsageError(
+            "checkpoint_dir= and a keras.callbacks.BackupAndRestore would each restore the run: give one "
+            "(checkpoint_dir resumes at the batch, with the input's position and the loss scale)"
+        )
     xla.check(kw["jit_compile"])
     if kw["verbose"] not in VERBOSE:
         raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {kw['verbose']!r}")

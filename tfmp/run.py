@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import doctor, guards, inputs, loss_scale, pydata
+from tfmp import doctor, guards, inputs, keras_compat, loss_scale, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -65,15 +65,19 @@ class Run:
     def train(self, epoch, epochs, position, step, validation_freq, checkpoint_every):
         """Trains from `epoch`, `position` batches into the input (a resumed run), with
         `step` batches trained before. Returns the History."""
-        model, steps, source, first = self.model, self.steps, self.input, epoch
+        model, steps, source = self.model, self.steps, self.input
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
+        model.stop_training = False
+        self.callbacks.on_train_begin()
+        restored = keras_compat.backup_epoch(model)
+        if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
+            epoch, position = restored, restored * (source.period or 0)
+        first = epoch
         offset = position - epoch * source.period if source.streamed else position
         self.step = step
         self.monitor = self._monitor(step)
         iterator = source.stream(epoch * source.period + offset) if source.streamed else None
         stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
-        model.stop_training = False
-        self.callbacks.on_train_begin()
         epoch_logs = {}
         with guards.signals_set(stop, self.saver is not None and handler is None):
             while epoch < epochs and not model.stop_training:
