@@ -300,6 +300,14 @@ def test_an_ema_optimizer_ends_on_its_averages_and_resumes_from_the_trained_weig
     assert_same(weights(halves), weights(straight))
 
 
+def test_run_eagerly_is_said_not_to_apply(caplog):
+    model = regression()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", run_eagerly=True)
+    with caplog.at_level("WARNING"):
+        tfmp.fit(model, regression_data(), verbose=0)
+    assert any("run_eagerly=True) does not apply" in r.getMessage() for r in caplog.records)
+
+
 class _StopAfter(keras.callbacks.Callback):
     def __init__(self, epoch):
         super().__init__()

@@ -7,6 +7,7 @@ import weakref
 
 import keras
 import numpy as np
+from absl import logging
 
 from tfmp import (
     bf16,
@@ -196,6 +197,8 @@ def fit(
         policy = keras.config.dtype_policy().name
         run.callbacks.set_params({**run.callbacks.params, "jit_compile_reason": why, "dtype_policy": policy})
         cudnn.warn_before_training(model)
+        if model.run_eagerly:  # Keras fit would run train_step eagerly, each op as Python reaches it.
+            logging.warning("tfmp.fit traces its step: compile(run_eagerly=True) does not apply (model.fit's does)")
         bf16.warn_bfloat16_statistics(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
