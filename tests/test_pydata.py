@@ -8,6 +8,7 @@ import types
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import assert_same, regression, regression_arrays, weights
 
 import tfmp
@@ -118,6 +119,28 @@ def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
     model = regression()
     tfmp.fit(model, generator(), epochs=2, steps_per_epoch=3, verbose=0)  # One generator, 6 of its 8 batches.
     assert int(model.optimizer.iterations.numpy()) == 6
+
+
+def test_a_generator_that_ran_out_ends_training_and_validation_with_a_warning(caplog):
+    """A generator runs once: a second epoch, or a second validation pass, gets no batch.
+    Training stops there and validation reports nothing, each with one warning, where they
+    reported a loss and metrics of 0.0 over no batch; tfmp.evaluate refuses data that gave none."""
+    model = regression()
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(model, generator(), epochs=3, validation_data=generator(), verbose=0)
+    assert history.epoch == [0] and int(model.optimizer.iterations.numpy()) == 8
+    assert len(history.history["val_loss"]) == 1 and history.history["val_loss"][0] > 0
+    (line,) = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    assert line.startswith("data ran out: epoch 2 got no batch; training stops (a generator runs once")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(model, Batches(), epochs=3, validation_data=generator(), verbose=0)
+    assert history.epoch == [0, 1, 2] and len(history.history["val_loss"]) == 1
+    (line,) = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    assert line.startswith("validation_data ran out at epoch 2: no val_ metrics from there (a generator runs once")
+    nothing = tf.data.Dataset.from_tensor_slices((X, Y)).batch(32).filter(lambda x, y: False)  # Of unknown length.
+    with pytest.raises(UsageError, match="data gave no batch to evaluate"):
+        tfmp.evaluate(model, nothing)
 
 
 @pytest.mark.parametrize(

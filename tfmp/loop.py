@@ -25,7 +25,7 @@ from tfmp import (
     xla,
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError
-from tfmp.run import Run
+from tfmp.run import RUNS_ONCE, Run, evaluated_nothing
 from tfmp.steps import Steps
 
 VERBOSE = ("auto", 0, 1, 2)
@@ -265,7 +265,10 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
-    return compiled.evaluate(source.once(), steps)
+    logs = compiled.evaluate(source.once(), steps)
+    if evaluated_nothing(model):
+        raise UsageError(f"data gave no batch to evaluate ({RUNS_ONCE.replace('steps_per_epoch', 'steps')})")
+    return logs
 
 
 _KERAS_ONLY = {

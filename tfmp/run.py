@@ -16,6 +16,16 @@ from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to s
 from tfmp.steps import STEP_STATE
 
 
+def evaluated_nothing(model):
+    """Whether the model's last evaluation saw no batch: its loss is a mean over none."""
+    tracker = keras_compat.loss_tracker(model)
+    return tracker is not None and float(tracker.count.numpy()) == 0  # (Summed over this worker's replicas.)
+
+
+# Where an input of unknown length gave an epoch nothing.
+RUNS_ONCE = "a generator runs once: give a dataset, a PyDataset, arrays, or a generator without end and steps_per_epoch"
+
+
 class _Update(typing.NamedTuple):
     """A queued update: its packed outputs, the batches done in the epoch and in all once it
     is applied, its input position, its batches and updates."""
@@ -53,6 +63,7 @@ class Run:
         self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
+        self.validation_ran_out = False
 
     def _monitor(self, start_step):
         if not self.log_dir:
@@ -86,6 +97,9 @@ class Run:
                 if not source.streamed:
                     iterator = source.epoch(offset)
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                if done == offset and not model.stop_training:  # Not one batch: the data ran out (a generator).
+                    logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, RUNS_ONCE)
+                    break
                 if source.streamed and not model.stop_training:
                     # Batches past the last whole update (a length that grad_accum_steps
                     # does not divide) are drawn and left out: every epoch starts on time.
@@ -93,10 +107,7 @@ class Run:
                         next(iterator)
                 epoch_logs = dict(logs or steps.results())
                 if self.val_input is not None and (epoch + 1) % validation_freq == 0:
-                    self.callbacks.on_test_begin()
-                    val_logs = steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
-                    self.callbacks.on_test_end(val_logs)
-                    epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                    epoch_logs.update(self._validate(epoch))
                 epoch, offset = epoch + 1, 0
                 if self.saver is not None and not model.stop_training:
                     self._save(epoch, epoch * source.period if source.streamed else 0)
@@ -116,6 +127,18 @@ class Run:
             )
         self.callbacks.on_train_end(epoch_logs)
         return model.history
+
+    def _validate(self, epoch):
+        """The validation pass: its val_ logs; none, and one warning a fit, where it saw no batch."""
+        self.callbacks.on_test_begin()
+        logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
+        if evaluated_nothing(self.model):
+            if not self.validation_ran_out:
+                once = RUNS_ONCE.replace("steps_per_epoch", "validation_steps")
+                logging.warning("validation_data ran out at epoch %d: no val_ metrics from there (%s)", epoch + 1, once)
+            logs, self.validation_ran_out = {}, True
+        self.callbacks.on_test_end(logs)
+        return {f"val_{k}": v for k, v in logs.items()}
 
     def _train_epoch(self, iterator, epoch, offset, stop, handler, checkpoint_every):
         """Trains one epoch from batch `offset`; returns the last logs and the batches done.
