@@ -4,6 +4,7 @@ run repeats, the epoch hooks between epochs' loads, and clear errors."""
 
 import time
 import types
+import warnings
 
 import keras
 import numpy as np
@@ -120,6 +121,11 @@ def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
     tfmp.fit(model, generator(), epochs=2, steps_per_epoch=3, verbose=0)  # One generator, 6 of its 8 batches.
     assert int(model.optimizer.iterations.numpy()) == 6
 
+
+def test_a_py_dataset_loaded_on_one_thread_warns_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # tf.data's, of a map told deterministic= on one thread.
+        tfmp.fit(regression(), Batches(), verbose=0)
 
 def test_a_generator_that_ran_out_ends_training_and_validation_with_a_warning(caplog):
     """A generator runs once: a second epoch, or a second validation pass, gets no batch.

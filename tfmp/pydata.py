@@ -92,7 +92,7 @@ def _from_py_dataset(data, shuffle, seed, name):
         return leaves[0], tf.nest.pack_sequence_as(spec, leaves[1:])
 
     parallel = None if hooks or data.workers <= 1 else data.workers  # In order, where hooks run between.
-    ds = order.map(load, num_parallel_calls=parallel, deterministic=True)
+    ds = order.map(load, num_parallel_calls=parallel, deterministic=True) if parallel else order.map(load)
     if hooks:  # The hooks' places left out: n batches an epoch again.
         ds = ds.filter(lambda is_batch, batch: is_batch).apply(tf.data.experimental.assert_cardinality(n))
     ds = ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
