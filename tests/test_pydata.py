@@ -127,6 +127,7 @@ def test_a_py_dataset_loaded_on_one_thread_warns_nothing():
         warnings.simplefilter("error", UserWarning)  # tf.data's, of a map told deterministic= on one thread.
         tfmp.fit(regression(), Batches(), verbose=0)
 
+
 def test_a_generator_that_ran_out_ends_training_and_validation_with_a_warning(caplog):
     """A generator runs once: a second epoch, or a second validation pass, gets no batch.
     Training stops there and validation reports nothing, each with one warning, where they
