@@ -49,6 +49,19 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+def test_a_model_of_string_input_is_told_that_xla_takes_no_strings():
+    words = np.array([["good"], ["bad"], ["fine"], ["awful"]] * 16)
+    lookup = keras.layers.StringLookup(vocabulary=["good", "bad", "fine", "awful"], output_mode="one_hot")
+    inputs = keras.Input((1,), dtype="string")
+    model = keras.Model(inputs, keras.layers.Dense(1)(lookup(inputs)))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = tfmp.fit(model, words, np.arange(64, dtype="float32") % 2, jit_compile=True, verbose=0)
+    assert history.params["jit_compile_reason"] == (
+        "XLA cannot compile this model: its input holds string tensors, which XLA does not take "
+        "(make them numbers in the input pipeline)"
+    )
+
+
 class Elsewhere(keras.layers.Layer):
     """Adds a variable kept on the second logical CPU, not the step's device."""
 

@@ -90,6 +90,10 @@ def reason(error):
     a user's words; else the error's first line."""
     text = str(error)
     unsupported = re.search(r"unsupported operations .* on XLA_\w+: (\w+)", text)
+    taken = re.search(r"Requested Attributes: T=DT_(\w+)", text)
+    if unsupported and unsupported.group(1) == "_Arg" and taken:  # The step's own input.
+        kind = taken.group(1).lower()
+        return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
     if unsupported:
         return f"no XLA kernel for {unsupported.group(1)}"
     return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
