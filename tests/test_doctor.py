@@ -304,6 +304,17 @@ def test_diagnose_subclassed_and_nested_models():
     assert diagnosis.keep_float32 == [names[2]]  # The layer inside, not the model holding it.
 
 
+def test_diagnose_a_subclassed_model_never_called():
+    """Built first, as model.fit builds it: built by its first call, watched, it recorded
+    symbolic tensors, and diagnose failed converting them."""
+    keras.config.set_dtype_policy("mixed_float16")
+    model = Subclassed()
+    model.compile(keras.optimizers.Adam(1e-4), "mse")
+    diagnosis = tfmp.diagnose(model, data(), steps=2)
+    assert [r["name"].rsplit("/", 1)[-1] for r in diagnosis.layers] == ["dense", "scale", "head"]
+    assert [name.rsplit("/", 1)[-1] for name in diagnosis.keep_float32] == ["scale"]
+
+
 def test_keep_float32_on_a_built_model_refuses_unknown_names():
     model = energy_model()
     with pytest.raises(tfmp.UsageError, match="'energyy' matches no layer"):

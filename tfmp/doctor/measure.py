@@ -47,6 +47,8 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
+    if not model.built:  # Built as model.fit builds it: a first call watched would record symbolic tensors.
+        keras_compat.symbolic_build(model, data.element_spec)
     with Session(model) as session:
         layers, calls = session.layers, session.calls
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
