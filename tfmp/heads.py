@@ -80,7 +80,7 @@ class Audit(list):
             for r in self.layers
         ]
         if not self.outputs_checked:
-            lines.append("outputs not checked: the model has no functional graph (subclassed)")
+            lines.append("outputs not checked: the model has no functional graph (subclassed, or not built yet)")
         lines += [f"problem: {p}" for p in self] or (
             ["no problems: every output is float32"] if self.outputs_checked else []
         )
