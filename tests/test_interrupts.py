@@ -16,14 +16,14 @@ from tfmp.errors import Interrupted
 
 
 class Signal(keras.callbacks.Callback):
-    """Sends `signum` to this process `times` times as batch 2 ends."""
+    """Sends `signum` to this process `times` times as batch `at` ends."""
 
-    def __init__(self, signum, times=1):
+    def __init__(self, signum, times=1, at=2):
         super().__init__()
-        self.signum, self.times = signum, times
+        self.signum, self.times, self.at = signum, times, at
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch == 2:
+        if batch == self.at:
             for _ in range(self.times):
                 os.kill(os.getpid(), self.signum)
 
@@ -38,9 +38,9 @@ def pythons_sigint():
     signal.signal(signal.SIGINT, found)
 
 
-def fit_signalled(model, directory, signum, times=1):
-    """tfmp.fit for 2 epochs with checkpoints in `directory`, `signum` sent `times` times as batch 2 ends."""
-    callbacks = [Signal(signum, times)]
+def fit_signalled(model, directory, signum, times=1, at=2):
+    """tfmp.fit for 2 epochs with checkpoints in `directory`, `signum` sent `times` times as batch `at` ends."""
+    callbacks = [Signal(signum, times, at)]
     tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(directory), callbacks=callbacks, verbose=0)
 
 
@@ -52,11 +52,13 @@ def assert_resumes_as_unbroken(directory):
     assert_same(weights(resumed), weights(unbroken), atol=0)
 
 
-def test_sigterm_saves_and_raises_preempted(tmp_path):
+@pytest.mark.parametrize("at", [2, 7], ids=["within an epoch", "at its last batch"])
+def test_sigterm_saves_and_raises_preempted(tmp_path, at):
+    """Resumed from its last batch, the epoch has nothing left and the next one begins."""
     model = regression()
     with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
-        fit_signalled(model, tmp_path, signal.SIGTERM)
-    assert (tmp_path / "ckpt-3.index").exists()
+        fit_signalled(model, tmp_path, signal.SIGTERM, at=at)
+    assert (tmp_path / f"ckpt-{at + 1}.index").exists()
     assert_resumes_as_unbroken(tmp_path)
 
 
