@@ -38,28 +38,36 @@ def pythons_sigint():
     signal.signal(signal.SIGINT, found)
 
 
-def fit_signalled(model, directory, signum, times=1, at=2):
+def fit_signalled(model, directory, signum, times=1, at=2, data=regression_data):
     """tfmp.fit for 2 epochs with checkpoints in `directory`, `signum` sent `times` times as batch `at` ends."""
     callbacks = [Signal(signum, times, at)]
-    tfmp.fit(model, regression_data(), epochs=2, checkpoint_dir=str(directory), callbacks=callbacks, verbose=0)
+    tfmp.fit(model, data(), epochs=2, checkpoint_dir=str(directory), callbacks=callbacks, verbose=0)
 
 
-def assert_resumes_as_unbroken(directory):
+def assert_resumes_as_unbroken(directory, data=regression_data):
     resumed = regression()
-    tfmp.fit(resumed, regression_data(), epochs=2, checkpoint_dir=str(directory), verbose=0)
+    tfmp.fit(resumed, data(), epochs=2, checkpoint_dir=str(directory), verbose=0)
     unbroken = regression()
-    tfmp.fit(unbroken, regression_data(), epochs=2, verbose=0)
+    tfmp.fit(unbroken, data(), epochs=2, verbose=0)
     assert_same(weights(resumed), weights(unbroken), atol=0)
 
 
-@pytest.mark.parametrize("at", [2, 7], ids=["within an epoch", "at its last batch"])
-def test_sigterm_saves_and_raises_preempted(tmp_path, at):
+def unknown_length():
+    return regression_data().filter(lambda x, y: True)
+
+
+@pytest.mark.parametrize(
+    "at, data",
+    [(2, regression_data), (7, regression_data), (7, unknown_length)],
+    ids=["within an epoch", "at its last batch", "at the last batch of an epoch of unknown length"],
+)
+def test_sigterm_saves_and_raises_preempted(tmp_path, at, data):
     """Resumed from its last batch, the epoch has nothing left and the next one begins."""
     model = regression()
     with pytest.raises(tfmp.Preempted, match="checkpoint saved"):
-        fit_signalled(model, tmp_path, signal.SIGTERM, at=at)
+        fit_signalled(model, tmp_path, signal.SIGTERM, at=at, data=data)
     assert (tmp_path / f"ckpt-{at + 1}.index").exists()
-    assert_resumes_as_unbroken(tmp_path)
+    assert_resumes_as_unbroken(tmp_path, data)
 
 
 def test_a_sigterm_before_training_stops_after_the_first_update(tmp_path):

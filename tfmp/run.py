@@ -97,8 +97,8 @@ class Run:
                 if not source.streamed:
                     iterator = source.epoch(offset)
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
-                ran_out = done == offset and (source.steps is None or offset < source.steps)  # (A generator.)
-                if ran_out and not model.stop_training:  # Not one batch where the epoch had some left.
+                if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
+                    # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
                     logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, RUNS_ONCE)
                     break
                 if source.streamed and not model.stop_training:
