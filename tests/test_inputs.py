@@ -50,6 +50,9 @@ def test_epochs_are_one_repeated_stream_and_a_resume_continues_at_its_position()
     assert drawn == [*range(10), 0, 1, 2]
     resumed = source.stream(13)
     assert [first(next(resumed)) for _ in range(3)] == [3, 4, 5]
+    longer = inputs.Input(numbered(10), ONE(), 13, 1, "data")  # steps_per_epoch past the data's end: round it.
+    second_epoch = longer.stream(13)
+    assert longer.period == longer.steps == 13 and [first(next(second_epoch)) for _ in range(2)] == [3, 4]
 
 
 def test_an_odd_epoch_under_accumulation_keeps_whole_updates():
