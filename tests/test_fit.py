@@ -300,6 +300,28 @@ def test_an_ema_optimizer_ends_on_its_averages_and_resumes_from_the_trained_weig
     assert_same(weights(halves), weights(straight))
 
 
+class KLPenalty(keras.layers.Layer):
+    """A layer adding a loss of its own, computed in its compute dtype (as a VAE's KL term)."""
+
+    def call(self, x):
+        self.add_loss(1e-2 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_losses_layers_add_train_under_a_mixed_policy(policy):
+    """model.fit fails here (Keras sums the float16 or bfloat16 losses with the float32 one);
+    tfmp.fit trains (test_keras_compat.py checks the sum)."""
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(1e-3))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(KLPenalty()(hidden)))
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    losses = tfmp.fit(model, regression_data(), epochs=3, verbose=0).history["loss"]
+    assert np.isfinite(losses).all() and losses[2] < losses[0]
+
+
 def test_run_eagerly_is_said_not_to_apply(caplog):
     model = regression()
     model.compile(keras.optimizers.Adam(1e-2), "mse", run_eagerly=True)

@@ -125,6 +125,25 @@ def test_compute_loss_is_the_compiled_loss_plus_regularization():
     np.testing.assert_allclose(float(loss), float(np.mean(np.square(np.asarray(y_pred)))), rtol=1e-6)
 
 
+def test_compute_loss_sums_the_losses_layers_add_in_float32():
+    """Under mixed_float16 an activity regularizer's loss is float16: Keras' own sum of it
+    with the float32 compiled loss fails; tfmp's adds it in float32, and leaves the model
+    as it was."""
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    hidden = keras.layers.Dense(3, activity_regularizer=keras.regularizers.L2(0.5))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2, dtype="float32")(hidden))
+    model.compile("sgd", "mse")
+    x, y = np.ones((4, 4), "float32"), np.zeros((4, 2), "float32")
+    y_pred = keras_compat.call(model, x, training=True)
+    (penalty,) = model.losses
+    assert penalty.dtype == "float16"
+    loss = keras_compat.compute_loss(model, x, y, y_pred, None, training=True)
+    assert loss.dtype == "float32" and "_aggregate_additional_loss" not in vars(model)
+    expected = np.mean(np.square(np.asarray(y_pred))) + float(penalty)
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-3)
+
+
 def test_slots_are_the_optimizers_own():
     variable = keras.Variable(np.ones(3, "float32"))
     adam = keras.optimizers.Adam(0.1)

@@ -14,7 +14,8 @@ variables (tfmp's fused updates) and for running an optimizer's update on stand-
 TensorFlow's internals are in tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
-(tfmp.loss_scale), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
+(tfmp.loss_scale), a model's `_aggregate_additional_loss` while `compute_loss` runs (the
+losses layers add, in float32), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
 tfmp's own shallow copy of it (`reduced_applier`: the user's optimizer object is never
 changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
 """
@@ -39,8 +40,23 @@ def compiled(model):
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
     """The loss `model.fit` minimizes: compiled losses with their weights and sample
-    weights, each a mean over the global batch under a strategy, plus regularization."""
-    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
+    weights, each a mean over the global batch under a strategy, plus regularization.
+
+    Each loss a layer added (`add_loss`, an `activity_regularizer`) is summed in float32.
+    Keras sums one computed in float16 or bfloat16 in that dtype, then fails adding it to
+    the float32 compiled loss ("Cannot convert a list containing a tensor of dtype float16"),
+    so under a mixed policy `model.fit` cannot train such a model."""
+    aggregate = model._aggregate_additional_loss  # noqa: SLF001
+
+    def in_float32(loss):
+        low = keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16")
+        return aggregate(keras.ops.cast(loss, "float32") if low else loss)
+
+    object.__setattr__(model, "_aggregate_additional_loss", in_float32)  # Past Keras' tracking; this call only.
+    try:
+        return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
+    finally:
+        del model.__dict__["_aggregate_additional_loss"]
 
 
 def call(model, x, training):
