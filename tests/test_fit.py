@@ -197,6 +197,22 @@ def _overrides_train_step():
     return model
 
 
+class OwnTestStep(keras.Model):
+    def test_step(self, data):
+        return {"custom": 1.0}
+
+
+def test_a_test_step_of_its_own_is_refused_where_it_would_be_skipped():
+    inputs = keras.Input((8,))
+    model = OwnTestStep(inputs, keras.layers.Dense(1)(inputs))
+    model.compile("sgd", "mse")
+    tfmp.fit(model, regression_data(), verbose=0)  # No validation: nothing skipped.
+    with pytest.raises(UsageError, match="overrides test_step, which tfmp.fit's validation replaces"):
+        tfmp.fit(model, regression_data(), validation_data=regression_data(), verbose=0)
+    with pytest.raises(UsageError, match="overrides test_step, which tfmp.evaluate replaces .* model.evaluate"):
+        tfmp.evaluate(model, regression_data())
+
+
 @pytest.mark.parametrize(
     "make_model, data, kwargs, words",
     [

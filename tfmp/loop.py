@@ -260,6 +260,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
     tf_compat.own_collective_keys(strategy)
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
+    _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
     data, _ = inputs.datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False)
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
@@ -286,17 +287,24 @@ def _keras_only(given):
         raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
 
 
+def _own_steps(model, step, replaced_by, instead):
+    """UsageError where `model` overrides Keras' `step`, which `replaced_by` would silently skip."""
+    if getattr(type(model), step) is not getattr(keras.Model, step):
+        raise UsageError(
+            f"{type(model).__name__} overrides {step}, which {replaced_by} replaces with its own; override "
+            f"compute_loss / compute_metrics instead, or {instead}"
+        )
+
+
 def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
     """Raises UsageError for anything wrong before touching the model; returns the strategy."""
     if not isinstance(model, keras.Model):
         raise UsageError(f"tfmp.fit takes a keras.Model, got {type(model).__name__}")
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise UsageError("tfmp.fit needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    if type(model).train_step is not keras.Model.train_step:
-        raise UsageError(
-            f"{type(model).__name__} overrides train_step, which tfmp.fit replaces with its own; override "
-            "compute_loss / compute_metrics instead, or train it with model.fit"
-        )
+    _own_steps(model, "train_step", "tfmp.fit", "train it with model.fit")
+    if kw["validation_data"] is not None or kw["validation_split"]:
+        _own_steps(model, "test_step", "tfmp.fit's validation", "validate it with model.evaluate")
     for name, value, low in (
         ("epochs", epochs, 0),
         ("initial_epoch", initial_epoch, 0),
