@@ -79,6 +79,20 @@ def test_clean_model_names_nothing():
     assert diagnosis.steps == 3 and len(diagnosis.layers) == 2
 
 
+def test_diagnose_reads_arrays_and_python_data_as_tfmp_fit_does():
+    keras.config.set_dtype_policy("mixed_float16")
+    from_dataset = tfmp.diagnose(overflowing(), data(), steps=2)
+    from_arrays = tfmp.diagnose(overflowing(), (X, Y), steps=2)  # In batches of 32, in order: the same batches.
+    assert from_arrays.keep_float32 == from_dataset.keep_float32 == ["blowup"]
+    assert [r["output_max_abs"] for r in from_arrays.layers] == [r["output_max_abs"] for r in from_dataset.layers]
+    batches = ((X[i : i + 32], Y[i : i + 32]) for i in range(0, 256, 32))
+    assert tfmp.diagnose(overflowing(), batches, steps=2).keep_float32 == ["blowup"]
+    with pytest.raises(tfmp.UsageError, match="give the targets too"):
+        tfmp.diagnose(clean(), X)
+    with pytest.raises(tfmp.UsageError, match="diagnose reads a dataset, .* not a function"):
+        tfmp.diagnose(clean(), lambda context: data())
+
+
 def test_tiny_gradients_underflow_at_scale_1_and_the_recommended_scale_lifts_them():
     diagnosis = tfmp.diagnose(clean(), data(1e-5), steps=3)  # Inputs, targets and gradients near 1e-5 and below.
     scale = diagnosis.recommended_loss_scale

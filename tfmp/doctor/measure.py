@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import float8, gradients, keras_compat, precision
+from tfmp import inputs as data_inputs
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
 from tfmp.doctor.watch import (
     BINS,
@@ -37,7 +38,9 @@ def diagnose(model, data, steps=8):
 
     Args:
         model: a compiled Keras model, in any policy.
-        data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches.
+        data: a `tf.data.Dataset` of `(x, y)` or `(x, y, sample_weight)` batches, or what
+            `tfmp.fit` takes besides: arrays as a tuple `(x, y)` or `(x, y, sample_weight)`
+            (in batches of 32, in order), a `keras.utils.PyDataset` or a generator.
         steps: batches to train on and measure.
 
     Returns:
@@ -47,6 +50,10 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
+    data, _ = data_inputs.datasets(data, None, None, None, 0.0, None, None, model.distribute_strategy, training=False)
+    if not isinstance(data, tf.data.Dataset):
+        kind = type(data).__name__
+        raise UsageError(f"diagnose reads a dataset, arrays (x, y), a PyDataset or a generator, not a {kind}")
     if not model.built:  # Built as model.fit builds it: a first call watched would record symbolic tensors.
         keras_compat.symbolic_build(model, data.element_spec)
     with Session(model) as session:
