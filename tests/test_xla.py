@@ -46,6 +46,7 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.params["jit_compile"] is False
     warnings = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
     assert len(warnings) == 1 and "PyFunc" in warnings[0] and "without XLA" in warnings[0]
+    assert "(made at test_xla.py:" in warnings[0]  # The layer's own line, not Keras' or TensorFlow's.
     assert history.history["loss"][1] < history.history["loss"][0]
 
 

@@ -14,6 +14,7 @@ would time differently and must all run the same collectives, and under op deter
 where reruns must match bit for bit, "autotune" follows the rule too.
 """
 
+import os
 import re
 import time
 
@@ -95,8 +96,23 @@ def reason(error):
         kind = taken.group(1).lower()
         return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
     if unsupported:
-        return f"no XLA kernel for {unsupported.group(1)}"
+        return f"no XLA kernel for {unsupported.group(1)}{_made_at(text)}"
     return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
+
+
+# Frames of TensorFlow's and Keras' machinery, not of a layer's own code.
+_MACHINERY = re.compile(
+    r"/(tensorflow|tf_keras)/|/keras/src/(backend|ops|utils|models|trainers)/|/keras/src/layers/layer\.py"
+    r"|/tfmp/(?!app/)"  # tfmp's own steps, not its bundled models.
+)
+
+
+def _made_at(text):
+    """ " (made at FILE:LINE)": the last frame, of those XLA's error says made the op, that is
+    a layer's own code (a Keras layer's file, or the user's), not the machinery; else ""."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', text.partition("The op is created at")[2])
+    own = [(path, line) for path, line in frames if not _MACHINERY.search(path) and not path.startswith("<")]
+    return f" (made at {os.path.basename(own[-1][0])}:{own[-1][1]})" if own else ""
 
 
 def _elsewhere(text):
