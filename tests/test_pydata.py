@@ -122,6 +122,33 @@ def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
     assert int(model.optimizer.iterations.numpy()) == 6
 
 
+def test_batches_of_a_list_of_inputs_train_as_arrays_do():
+    """[x1, x2], a two-input model's inputs, from a PyDataset or a generator (model.fit
+    fails on both: tf.data takes a list for one tensor to stack)."""
+
+    def two_inputs():
+        keras.utils.set_random_seed(0)
+        halves = [keras.Input((4,)), keras.Input((4,))]
+        model = keras.Model(halves, keras.layers.Dense(1)(keras.layers.Concatenate()(halves)))
+        model.compile(keras.optimizers.Adam(1e-2), "mse")
+        return model
+
+    class Pairs(keras.utils.PyDataset):
+        def __len__(self):
+            return len(X) // 32
+
+        def __getitem__(self, index):
+            at = slice(index * 32, (index + 1) * 32)
+            return [X[at, :4], X[at, 4:]], Y[at]
+
+    theirs = two_inputs()
+    theirs.fit([X[:, :4], X[:, 4:]], Y, batch_size=32, shuffle=False, verbose=0)
+    for data in (Pairs(), (batch for batch in Pairs())):
+        ours = two_inputs()
+        tfmp.fit(ours, data, shuffle=False if isinstance(data, Pairs) else None, jit_compile=False, verbose=0)
+        assert_same(weights(ours), weights(theirs))
+
+
 def test_a_py_dataset_loaded_on_one_thread_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # tf.data's, of a map told deterministic= on one thread.

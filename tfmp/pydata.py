@@ -140,19 +140,28 @@ def _overrides(data, method):
 
 
 def _standard(batch, name):
-    """A batch as `model.fit` reads it: a tuple of 1 to 3 (x, y, sample_weight), or a dict."""
+    """A batch as `model.fit` reads it: a tuple of 1 to 3 (x, y, sample_weight), or a dict;
+    lists as tuples at every depth (tf.data would take `[x1, x2]`, a model's two inputs,
+    for one tensor to stack)."""
+    batch = _tuples(batch)
     if isinstance(batch, dict):
         return batch
     if isinstance(batch, np.ndarray):
         return (batch,)
-    if isinstance(batch, list):
-        batch = tuple(batch)
     if not isinstance(batch, tuple) or len(batch) not in (1, 2, 3):
         raise UsageError(
             f"{name}'s batches must be (x,), (x, y) or (x, y, sample_weight), or a dict; got "
             f"{type(batch).__name__} {str(batch)[:80]}"
         )
     return batch
+
+
+def _tuples(value):
+    if isinstance(value, list | tuple):
+        return tuple(_tuples(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _tuples(v) for k, v in value.items()}
+    return value
 
 
 def _spec(batches):
