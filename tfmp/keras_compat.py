@@ -46,7 +46,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     Keras sums one computed in float16 or bfloat16 in that dtype, then fails adding it to
     the float32 compiled loss ("Cannot convert a list containing a tensor of dtype float16"),
     so under a mixed policy `model.fit` cannot train such a model."""
-    aggregate = model._aggregate_additional_loss  # noqa: SLF001
+    aggregate = type(model)._aggregate_additional_loss.__get__(model)  # noqa: SLF001 - Keras' own, never a wrapper.
 
     def in_float32(loss):
         low = keras.backend.standardize_dtype(loss.dtype) in ("float16", "bfloat16")
@@ -56,7 +56,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     try:
         return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
     finally:
-        del model.__dict__["_aggregate_additional_loss"]
+        model.__dict__.pop("_aggregate_additional_loss", None)  # (A MirroredStrategy's replicas run one at a time.)
 
 
 def call(model, x, training):
