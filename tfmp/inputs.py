@@ -194,15 +194,6 @@ def is_arrays(data):
     return isinstance(data, tuple | list) and len(data) in (2, 3) and is_array_structure(data)
 
 
-def _tuples(structure):
-    """Lists made tuples (tf.data reads a list as one tensor to stack)."""
-    if isinstance(structure, list | tuple):
-        return tuple(_tuples(s) for s in structure)
-    if isinstance(structure, dict):
-        return {k: _tuples(v) for k, v in structure.items()}
-    return structure
-
-
 def split_arrays(arrays, validation_split):
     """(training, validation) arrays: the last `validation_split` of the examples, before any
     shuffling, held out for validation, as `model.fit` does."""
@@ -214,7 +205,7 @@ def split_arrays(arrays, validation_split):
 
 
 def num_examples(arrays):
-    lengths = {int(a.shape[0]) if len(a.shape) else 0 for a in tf.nest.flatten(_tuples(arrays))}
+    lengths = {int(a.shape[0]) if len(a.shape) else 0 for a in tf.nest.flatten(pydata.tuples(arrays))}
     if len(lengths) != 1 or 0 in lengths:
         raise UsageError(f"the arrays must hold the same number (> 0) of examples; their lengths are {sorted(lengths)}")
     return lengths.pop()
@@ -222,7 +213,7 @@ def num_examples(arrays):
 
 def _tensors(arrays):
     with tf.device("CPU:0"):  # Where the input pipeline reads them, whatever the accelerator.
-        return tf.nest.map_structure(tf.convert_to_tensor, _tuples(arrays))
+        return tf.nest.map_structure(tf.convert_to_tensor, pydata.tuples(arrays))
 
 
 def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False):

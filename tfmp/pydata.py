@@ -143,7 +143,7 @@ def _standard(batch, name):
     """A batch as `model.fit` reads it: a tuple of 1 to 3 (x, y, sample_weight), or a dict;
     lists as tuples at every depth (tf.data would take `[x1, x2]`, a model's two inputs,
     for one tensor to stack)."""
-    batch = _tuples(batch)
+    batch = tuples(batch)
     if isinstance(batch, dict):
         return batch
     if isinstance(batch, np.ndarray):
@@ -156,12 +156,13 @@ def _standard(batch, name):
     return batch
 
 
-def _tuples(value):
-    if isinstance(value, list | tuple):
-        return tuple(_tuples(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _tuples(v) for k, v in value.items()}
-    return value
+def tuples(structure):
+    """Lists made tuples, at every depth (tf.data reads a list as one tensor to stack)."""
+    if isinstance(structure, list | tuple):
+        return tuple(tuples(s) for s in structure)
+    if isinstance(structure, dict):
+        return {k: tuples(v) for k, v in structure.items()}
+    return structure
 
 
 def _spec(batches):
