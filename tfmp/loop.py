@@ -25,7 +25,7 @@ from tfmp import (
     xla,
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError
-from tfmp.run import RUNS_ONCE, Run, evaluated_nothing
+from tfmp.run import Run, evaluated_nothing, runs_once
 from tfmp.steps import Steps
 
 VERBOSE = ("auto", 0, 1, 2)
@@ -268,7 +268,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
     logs = compiled.evaluate(source.once(), steps)
     if evaluated_nothing(model):
-        raise UsageError(f"data gave no batch to evaluate ({RUNS_ONCE.replace('steps_per_epoch', 'steps')})")
+        raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")
     return logs
 
 

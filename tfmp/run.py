@@ -22,8 +22,10 @@ def evaluated_nothing(model):
     return tracker is not None and float(tracker.count.numpy()) == 0  # (Summed over this worker's replicas.)
 
 
-# Where an input of unknown length gave an epoch nothing.
-RUNS_ONCE = "a generator runs once: give a dataset, a PyDataset, arrays, or a generator without end and steps_per_epoch"
+def runs_once(steps_arg):
+    """What to do where an input gave a pass no batch: `steps_arg` names the argument that
+    bounds a generator without end (steps_per_epoch, validation_steps, steps)."""
+    return f"a generator runs once: give a dataset, a PyDataset, arrays, or a generator without end and {steps_arg}"
 
 
 class _Update(typing.NamedTuple):
@@ -99,7 +101,8 @@ class Run:
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
                 if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
-                    logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, RUNS_ONCE)
+                    advice = runs_once("steps_per_epoch")
+                    logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, advice)
                     break
                 if source.streamed and not model.stop_training:
                     # Batches past the last whole update (a length that grad_accum_steps
@@ -135,7 +138,7 @@ class Run:
         logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
         if evaluated_nothing(self.model):
             if not self.validation_ran_out:
-                once = RUNS_ONCE.replace("steps_per_epoch", "validation_steps")
+                once = runs_once("validation_steps")
                 logging.warning("validation_data ran out at epoch %d: no val_ metrics from there (%s)", epoch + 1, once)
             logs, self.validation_ran_out = {}, True
         self.callbacks.on_test_end(logs)
