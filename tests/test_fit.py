@@ -197,22 +197,6 @@ def _overrides_train_step():
     return model
 
 
-class OwnTestStep(keras.Model):
-    def test_step(self, data):
-        return {"custom": 1.0}
-
-
-def test_a_test_step_of_its_own_is_refused_where_it_would_be_skipped():
-    inputs = keras.Input((8,))
-    model = OwnTestStep(inputs, keras.layers.Dense(1)(inputs))
-    model.compile("sgd", "mse")
-    tfmp.fit(model, regression_data(), verbose=0)  # No validation: nothing skipped.
-    with pytest.raises(UsageError, match="overrides test_step, which tfmp.fit's validation replaces"):
-        tfmp.fit(model, regression_data(), validation_data=regression_data(), verbose=0)
-    with pytest.raises(UsageError, match="overrides test_step, which tfmp.evaluate replaces .* model.evaluate"):
-        tfmp.evaluate(model, regression_data())
-
-
 @pytest.mark.parametrize(
     "make_model, data, kwargs, words",
     [
@@ -294,86 +278,6 @@ def test_class_weight_reaches_a_callable_input_and_survives_resume(tmp_path):
     # Keras fails on a label above the largest class given (here 2); tfmp weighs it 1, as any left out.
     theirs.fit(labelled().repeat(), epochs=2, steps_per_epoch=8, class_weight={1: 3.0, 2: 1.0}, verbose=0)
     assert_same(weights(straight), weights(theirs))
-
-
-@seeded
-def averaged():
-    model = regression()
-    model.compile(keras.optimizers.Adam(1e-2, use_ema=True), "mse")
-    return model
-
-
-def test_an_ema_optimizer_ends_on_its_averages_and_resumes_from_the_trained_weights(tmp_path):
-    """Keras fit ends by making use_ema's moving averages the weights; tfmp.fit too, and a run
-    resumed from its checkpoint (taken before that) trains on from the weights it trained."""
-    straight = averaged()
-    tfmp.fit(straight, regression_data(), epochs=3, verbose=0)
-    averages = straight.optimizer._model_variables_moving_average  # noqa: SLF001 - Keras keeps them there.
-    assert_same(weights(straight), [v.numpy() for v in averages], atol=0)
-    halves = averaged()
-    tfmp.fit(halves, regression_data(), epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
-    tfmp.fit(halves, regression_data(), epochs=3, verbose=0, checkpoint_dir=str(tmp_path))
-    assert_same(weights(halves), weights(straight))
-
-
-class KLPenalty(keras.layers.Layer):
-    """A layer adding a loss of its own, computed in its compute dtype (as a VAE's KL term)."""
-
-    def call(self, x):
-        self.add_loss(1e-2 * keras.ops.mean(keras.ops.square(x)))
-        return x
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_losses_layers_add_train_under_a_mixed_policy(policy):
-    """model.fit fails here (Keras sums the float16 or bfloat16 losses with the float32 one);
-    tfmp.fit trains (test_keras_compat.py checks the sum)."""
-    keras.config.set_dtype_policy(policy)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu", activity_regularizer=keras.regularizers.L2(1e-3))(inputs)
-    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32")(KLPenalty()(hidden)))
-    model.compile(keras.optimizers.Adam(1e-2), "mse")
-    losses = tfmp.fit(model, regression_data(), epochs=3, verbose=0).history["loss"]
-    assert np.isfinite(losses).all() and losses[2] < losses[0]
-
-
-def test_run_eagerly_is_said_not_to_apply(caplog):
-    model = regression()
-    model.compile(keras.optimizers.Adam(1e-2), "mse", run_eagerly=True)
-    with caplog.at_level("WARNING"):
-        tfmp.fit(model, regression_data(), verbose=0)
-    assert any("run_eagerly=True) does not apply" in r.getMessage() for r in caplog.records)
-
-
-class _StopAfter(keras.callbacks.Callback):
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise KeyboardInterrupt  # The run stops, as a killed one would.
-
-
-def test_a_backup_and_restore_callback_resumes_at_its_epoch(tmp_path):
-    """As under Keras fit: the callback loads its weights and optimizer, and the fit goes on
-    from the epoch it saved, not from the first (which trained 4 more epochs after it)."""
-    straight = regression()
-    tfmp.fit(straight, regression_data(), epochs=4, verbose=0)
-    broken = regression()
-    with pytest.raises(KeyboardInterrupt):
-        tfmp.fit(broken, regression_data(), epochs=4, verbose=0, callbacks=[backup(tmp_path), _StopAfter(1)])
-    resumed = regression()
-    history = tfmp.fit(resumed, regression_data(), epochs=4, verbose=0, callbacks=[backup(tmp_path)])
-    assert history.epoch == [2, 3] and int(resumed.optimizer.iterations.numpy()) == 32  # 8 batches an epoch.
-    assert_same(weights(resumed), weights(straight), atol=0)
-    with pytest.raises(UsageError, match="give one"):
-        tfmp.fit(resumed, regression_data(), callbacks=[backup(tmp_path)], checkpoint_dir=str(tmp_path / "c"))
-
-
-def backup(tmp_path):
-    return keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
 
 
 @pytest.mark.parametrize(
