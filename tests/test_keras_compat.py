@@ -3,6 +3,7 @@ release that changes one of them fails here, by name."""
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import tfmp
@@ -177,7 +178,7 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
         steps.append(var.name)
         var.assign_sub(learning_rate * gradient)
 
-    applier = keras_compat.reduced_applier(sgd, update_step)
+    applier = keras_compat.reduced_applier(sgd, {id(sgd): (update_step, None)})
 
     def replica_apply():  # Each replica gives the already-summed gradient [2, 4].
         applier.apply([tf.constant([2.0, 4.0])], [variable])
@@ -195,6 +196,34 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
         not hasattr(wrapped, "gradients_reduced")
         and copied.inner_optimizer.iterations is wrapped.inner_optimizer.iterations
     )
+
+
+@pytest.mark.skipif(not hasattr(keras.optimizers, "MultiOptimizer"), reason="Keras before 3.15 has no MultiOptimizer")
+def test_a_multi_optimizers_map_parts_copy_and_reduced_applier(mirrored):
+    """optimizer_for and optimizer_groups follow its map, built or not; optimizer_parts are
+    its optimizers; fresh_optimizer copies a map that is a function; the reduced applier
+    copies each of its optimizers, none of them summing over replicas."""
+    with mirrored.scope():
+        kernel, bias = keras.Variable(np.ones(2, "float32"), name="kernel"), keras.Variable(np.ones(2, "float32"))
+        sgd, adam = keras.optimizers.SGD(0.5), keras.optimizers.Adam()
+        multi = keras.optimizers.MultiOptimizer(lambda v: sgd if "kernel" in v.path else adam)
+        assert keras_compat.optimizer_for(multi, kernel) is sgd  # Unbuilt: its map.
+        multi.build([kernel, bias])
+    assert keras_compat.optimizer_groups(multi, [kernel, bias]) == [(sgd, [kernel]), (adam, [bias])]
+    assert keras_compat.optimizer_groups(sgd, [kernel]) == [(sgd, [kernel])]
+    wrapped = keras.optimizers.LossScaleOptimizer(multi)
+    assert keras_compat.optimizer_parts(wrapped) == [sgd, adam] and keras_compat.optimizer_parts(sgd) == []
+    assert keras_compat.learning_rate(wrapped) is None and keras_compat.learning_rate(sgd) is sgd.learning_rate
+    fresh = keras_compat.fresh_optimizer(wrapped)
+    fresh.build([kernel, bias])
+    assert [type(o) for o in fresh.optimizers] == [keras.optimizers.SGD, keras.optimizers.Adam]
+    assert not set(map(id, fresh.optimizers)) & {id(sgd), id(adam)}
+    applier = keras_compat.reduced_applier(multi)
+    assert applier.optimizers[0] is not sgd and applier.optimizers[0].iterations is sgd.iterations
+    mirrored.run(tf.function(lambda: applier.apply([tf.constant([2.0, 4.0]), tf.constant([1.0, 1.0])], [kernel, bias])))
+    for local in mirrored.experimental_local_results(kernel.value):
+        np.testing.assert_allclose(local.numpy(), [0.0, -1.0])  # Keras' own would sum to [4, 8].
+    assert multi.optimizers == [sgd, adam] and "_all_reduce_sum_gradients" not in vars(sgd)
 
 
 def test_loss_tracker_is_the_metric_fit_reports_as_loss():

@@ -133,7 +133,7 @@ class Monitor:
             "loss": float(logs.get("loss", np.nan)),
             "accuracy": float(logs.get("accuracy", np.nan)),
             "loss_scale": float(logs["loss_scale"]) if self.scaled else None,
-            "learning_rate": float(logs["learning_rate"]),
+            "learning_rate": float(logs["learning_rate"]) if "learning_rate" in logs else None,  # Not a MultiOptimizer.
             "grad_norm": float(logs["grad_norm"]),
             "skipped_steps": self.skipped,
         }
@@ -148,7 +148,8 @@ class Monitor:
             for key, value in self.metrics.items():  # The model's own: loss, accuracy, per-output losses...
                 tf.summary.scalar(key, value)
             for key in ("learning_rate", "grad_norm"):
-                tf.summary.scalar(key, row[key])
+                if row[key] is not None:
+                    tf.summary.scalar(key, row[key])
             if row["loss_scale"] is not None:
                 tf.summary.scalar("loss_scale", row["loss_scale"])
             tf.summary.scalar("skipped_steps", row["skipped_steps"])

@@ -7,7 +7,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfmp import files
+from tfmp import files, keras_compat
 from tfmp.errors import TrainingError, UsageError, first_line
 
 
@@ -37,8 +37,16 @@ class Checkpointer:
         self.position = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_position")
         # Dropout's random state: Keras keeps it in seed generators tf.train does not track.
         rng = [v.value for v in model.variables if v.path.endswith("seed_generator_state")]
+        # A MultiOptimizer's state is its optimizers', which tf.train does not reach from it.
+        parts = keras_compat.optimizer_parts(optimizer)
         self.checkpoint = tf.train.Checkpoint(
-            model=model, optimizer=optimizer, rng=rng, step=self.step, epoch=self.epoch, position=self.position
+            model=model,
+            optimizer=optimizer,
+            rng=rng,
+            step=self.step,
+            epoch=self.epoch,
+            position=self.position,
+            **({"optimizers": parts} if parts else {}),
         )
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
 

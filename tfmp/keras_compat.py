@@ -10,7 +10,8 @@ building a model with its compiled loss and metrics from a data spec, for the la
 variables (tfmp's fused updates) and for running an optimizer's update on stand-ins
 (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
 `filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a
-`BackupAndRestore` callback restored. The uses of
+`BackupAndRestore` callback restored, nor which of a `MultiOptimizer`'s optimizers updates
+a variable (and a copy of its optimizers is what tfmp's applier needs). The uses of
 TensorFlow's internals are in tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
@@ -266,17 +267,19 @@ def _as_given(grads_and_vars):
     return grads_and_vars
 
 
-def reduced_applier(optimizer, update_step=None, reduced_flag=None, weight_decay_filter=None):
+def reduced_applier(optimizer, hooks=None, reduced_flag=None):
     """tfmp's own applier for `optimizer`: a shallow copy, sharing every variable (slots,
     iterations, learning rate, loss scale), whose `apply` takes gradients the caller has
     already all-reduced (Keras' own all-reduces inside `apply`, after clipping per
-    replica), each applied with `update_step` (tfmp.fused, tfmp.bf16) where one is given.
-    With `weight_decay_filter`, Keras' weight decay (applied before the updates) touches
-    only the variables it accepts (`update_step` decays the others). A loss-scale
-    wrapper is copied with its inner optimizer, and `reduced_flag` (the name of its
-    attribute saying the gradients are reduced) set on the copy. `optimizer` itself is not
-    changed.
+    replica). `hooks` maps `id(o)` of each optimizer `o` of `optimizer_groups` to its
+    `(update_step, weight_decay_filter)`: each gradient is applied with that `update_step`
+    (tfmp.fused, tfmp.bf16) where one is given, and Keras' weight decay (applied before the
+    updates) touches only the variables the filter accepts (`update_step` decays the
+    others). A loss-scale wrapper is copied with its inner optimizer, and `reduced_flag`
+    (the name of its attribute saying the gradients are reduced) set on the copy; a
+    MultiOptimizer with each of its optimizers. `optimizer` itself is not changed.
     """
+    hooks = hooks or {}
     applier = shallow_copy(optimizer)
     inner = applier
     if hasattr(optimizer, "inner_optimizer"):
@@ -284,18 +287,84 @@ def reduced_applier(optimizer, update_step=None, reduced_flag=None, weight_decay
         object.__setattr__(applier, "inner_optimizer", inner)
         if reduced_flag:
             object.__setattr__(applier, reduced_flag, True)
+    if is_multi(inner):  # Its own apply hands each its gradients: the copies get them.
+        copies = [_reduced(shallow_copy(sub), *hooks.get(id(sub), (None, None))) for sub in inner.optimizers]
+        object.__setattr__(inner, "_inner_optimizers", copies)
+    else:
+        _reduced(inner, *hooks.get(id(getattr(optimizer, "inner_optimizer", optimizer)), (None, None)))
+    return applier
+
+
+def _reduced(optimizer, update_step, weight_decay_filter):
     # Plain attributes, set past Keras' tracking __setattr__: they steer tracing only.
-    object.__setattr__(inner, "_all_reduce_sum_gradients", _as_given)
+    object.__setattr__(optimizer, "_all_reduce_sum_gradients", _as_given)
     if update_step is not None:
-        object.__setattr__(inner, "update_step", update_step)
+        object.__setattr__(optimizer, "update_step", update_step)
     if weight_decay_filter is not None:
-        decay = inner._apply_weight_decay  # noqa: SLF001
+        decay = optimizer._apply_weight_decay  # noqa: SLF001
 
         def filtered_weight_decay(variables):
             return decay([v for v in variables if weight_decay_filter(v)])
 
-        object.__setattr__(inner, "_apply_weight_decay", filtered_weight_decay)
-    return applier
+        object.__setattr__(optimizer, "_apply_weight_decay", filtered_weight_decay)
+    return optimizer
+
+
+# Keras 3.15 and later: an optimizer that hands each variable to one of several.
+_MULTI = getattr(keras.optimizers, "MultiOptimizer", None)
+
+
+def is_multi(optimizer):
+    """Whether `optimizer` is a Keras MultiOptimizer."""
+    return _MULTI is not None and isinstance(optimizer, _MULTI)
+
+
+def optimizer_for(optimizer, variable):
+    """The optimizer that updates `variable`: a MultiOptimizer's for it, else `optimizer`."""
+    if not is_multi(optimizer):
+        return optimizer
+    if not optimizer.built:
+        return optimizer._optimizer_map(variable)  # noqa: SLF001
+    return optimizer.optimizers[optimizer._var_to_optimizer_idx[optimizer._var_key(variable)]]  # noqa: SLF001
+
+
+def optimizer_groups(optimizer, variables):
+    """[(an optimizer, the variables of `variables` it updates)]: `optimizer` with all of
+    them, or a built MultiOptimizer's optimizers, each with its own."""
+    groups = {}
+    for variable in variables:
+        sub = optimizer_for(optimizer, variable)
+        groups.setdefault(id(sub), (sub, []))[1].append(variable)
+    return list(groups.values()) or [(optimizer, [])]
+
+
+def fresh_optimizer(optimizer):
+    """A new optimizer, unbuilt, configured as `optimizer` (a loss-scale wrapper's inner
+    one): a MultiOptimizer gets fresh copies of its optimizers, each variable going to the
+    copy of its own (its map may be a function, which no config holds)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if not is_multi(inner):
+        return inner.__class__.from_config(inner.get_config())
+    copies = {}
+
+    def copy_for(variable):
+        sub = optimizer_for(inner, variable)
+        return copies.setdefault(id(sub), fresh_optimizer(sub))
+
+    return _MULTI(copy_for, loss_scale_factor=inner.loss_scale_factor)
+
+
+def optimizer_parts(optimizer):
+    """A MultiOptimizer's optimizers (a loss-scale wrapper's inner one's), else []: Keras
+    saves their variables itself, and tf.train's tracking does not reach them."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    return list(inner.optimizers) if is_multi(inner) else []
+
+
+def learning_rate(optimizer):
+    """`optimizer`'s learning rate (a loss-scale wrapper's, its inner one's); None for a
+    MultiOptimizer, whose optimizers have one each."""
+    return None if is_multi(getattr(optimizer, "inner_optimizer", optimizer)) else optimizer.learning_rate
 
 
 def global_seed():

@@ -69,25 +69,23 @@ class Steps:
             with strategy.scope():
                 self.optimizer.build(self.variables)
         self.sparse = sparse and distribute.strategy_name(strategy) != "tpu"
-        # TPU variables update through their own replicated assign ops: Keras' update there.
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+        # TPU variables update through their own replicated assign ops: Keras' update there.
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
-        self._update_step = fused.update_step(inner) if fused_updates else None  # Made once, not per call.
         self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
-        self._update_step, decay_filter = bf16.applier_hooks(
-            inner, self.variables, strategy, bf16_rounding, seed, self._update_step
-        )
+        hooks = {}  # Per optimizer (a MultiOptimizer's each): (its update_step, its weight decay filter).
+        for sub, variables in keras_compat.optimizer_groups(inner, self.variables):
+            update_step = fused.update_step(sub) if fused_updates else None  # Made once, not per call.
+            hooks[id(sub)] = bf16.applier_hooks(sub, variables, strategy, bf16_rounding, seed, update_step)
         # What applies the all-reduced gradients: tfmp's copy of the optimizer, sharing its variables (keras_compat).
-        self._applier = keras_compat.reduced_applier(
-            self.optimizer, self._update_step, "gradients_reduced", decay_filter
-        )
+        self._applier = keras_compat.reduced_applier(self.optimizer, hooks, "gradients_reduced")
         # Which gradients to make dense before the all-reduce: all of them with sparse=False;
         # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
         # moments decay on every row): once dense, they need no deduplication for the norm.
-        alone = strategy.num_replicas_in_sync == 1
         # A bfloat16 weight's update (tfmp.bf16) reads its gradient whole, whatever the optimizer.
-        dense_update = fused.keras_densifies(inner)
-        self._dense = [not self.sparse or (alone and (dense_update or bfloat16)) for bfloat16 in self._bf16]
+        alone = strategy.num_replicas_in_sync == 1
+        dense_update = [fused.keras_densifies(keras_compat.optimizer_for(inner, v)) for v in self.variables]
+        self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
         self.compile(jit_compile)
@@ -335,7 +333,8 @@ class Steps:
         with self.strategy.scope():  # Cross-replica reads of the on-read metric variables.
             out.update(self.model.get_metrics_result())
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
-        out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
+        if keras_compat.learning_rate(self.optimizer) is not None:  # A MultiOptimizer has none of its own.
+            out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
         return self._outputs.pack(out)
 

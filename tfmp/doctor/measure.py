@@ -59,9 +59,8 @@ def diagnose(model, data, steps=8):
     with Session(model) as session:
         layers, calls = session.layers, session.calls
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
-        inner = getattr(model.optimizer, "inner_optimizer", model.optimizer)
         with model.distribute_strategy.scope():
-            optimizer = inner.__class__.from_config(inner.get_config())
+            optimizer = keras_compat.fresh_optimizer(model.optimizer)
         variables = list(model.trainable_variables)
         owner = owners(layers)
         hist = np.zeros((len(layers), len(BINS)), dtype=np.int64)
