@@ -133,3 +133,22 @@ def test_a_multi_optimizer_trains_as_model_fit_does_resumes_and_is_diagnosed(mir
     assert_same(weights(resumed), weights(ours), atol=0)
     assert tfmp.diagnose(_two_optimizers(), regression_data()).layers  # Its map is a function: no config holds it.
 
+
+@pytest.mark.skipif(not hasattr(keras.optimizers, "ScheduleFreeAdamW"), reason="Keras before 3.14")
+def test_an_optimizer_that_starts_from_the_weights_starts_there():
+    """ScheduleFreeAdamW's build copies the weights into its `momentum`: tfmp builds it
+    before tracing, so the copy happens (in model.fit's trace it is lost, and the first
+    step moves every weight to about -lr); against model.fit of an optimizer built first."""
+
+    @seeded
+    def schedule_free():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.ScheduleFreeAdamW(1e-2), "mse", jit_compile=False)
+        return model
+
+    expected = schedule_free()
+    expected.optimizer.build(expected.trainable_variables)
+    expected.fit(regression_data(), verbose=0)
+    ours = schedule_free()
+    tfmp.fit(ours, regression_data(), verbose=0)
+    assert_same(weights(ours), weights(expected), atol=0)
