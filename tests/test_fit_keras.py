@@ -1,14 +1,18 @@
 """Keras features that tfmp.fit honours as model.fit does, or refuses where it cannot: an
 optimizer's moving averages (use_ema), BackupAndRestore, the losses layers add under a mixed
-policy (where model.fit itself fails), compile(run_eagerly=True), a test_step of a model's own."""
+policy (where model.fit itself fails), compile(run_eagerly=True), a test_step of a model's own,
+TerminateOnNaN."""
+
+import inspect
 
 import keras
 import numpy as np
 import pytest
-from conftest import assert_same, regression, regression_data, seeded, weights
+import tensorflow as tf
+from conftest import assert_same, regression, regression_arrays, regression_data, seeded, weights
 
 import tfmp
-from tfmp.errors import UsageError
+from tfmp.errors import TrainingError, UsageError
 
 
 @seeded
@@ -105,3 +109,32 @@ def test_a_test_step_of_its_own_is_refused_where_it_would_be_skipped():
         tfmp.fit(model, regression_data(), validation_data=regression_data(), verbose=0)
     with pytest.raises(UsageError, match="overrides test_step, which tfmp.evaluate replaces .* model.evaluate"):
         tfmp.evaluate(model, regression_data())
+
+
+@pytest.mark.parametrize("raise_error", [False, True])
+def test_terminate_on_nan_ends_the_run_as_in_model_fit(tmp_path, caplog, raise_error):
+    """With keras.callbacks.TerminateOnNaN a non-finite loss ends the run (tfmp's culprit
+    named in a warning) as model.fit's ends, not with tfmp's TrainingError; the last
+    checkpoint is the one before. With raise_error=True, tfmp's error."""
+    if raise_error and "raise_error" not in inspect.signature(keras.callbacks.TerminateOnNaN).parameters:
+        pytest.skip("Keras before 3.11: TerminateOnNaN has no raise_error")
+    x, y = regression_arrays()
+    y[64:] = np.nan  # Batch 2 of 32.
+    stop = {"raise_error": True} if raise_error else {}
+    if raise_error:
+        with pytest.raises(TrainingError, match="non-finite loss"):
+            tfmp.fit(regression(), x, y, shuffle=False, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN(**stop)])
+        return
+    expected = regression()
+    expected.fit(x, y, shuffle=False, epochs=2, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()])
+    model = regression()
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(
+            model, x, y, shuffle=False, epochs=2, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()],
+            checkpoint_dir=str(tmp_path), checkpoint_every=2,
+        )  # fmt: skip
+    assert history.epoch == expected.history.epoch == [0] and np.isnan(history.history["loss"]).all()
+    assert int(model.optimizer.iterations.numpy()) == int(expected.optimizer.iterations.numpy()) == 3
+    assert any("non-finite loss (nan) at step 3" in r.getMessage() for r in caplog.records)
+    path = tf.train.latest_checkpoint(str(tmp_path))
+    assert int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE")) == 2

@@ -142,7 +142,9 @@ def fit(
     Raises:
         UsageError: bad arguments, before anything is trained or written (the array
             arguments with a dataset among them, with what to do with it instead).
-        TrainingError: a non-finite loss that no loss scale absorbs, or a failed save.
+        TrainingError: a non-finite loss that no loss scale absorbs (with a
+            `keras.callbacks.TerminateOnNaN`, a warning naming the culprit, and the run ends
+            as model.fit's does), or a failed save.
         Preempted: SIGTERM arrived; a checkpoint was saved (with `checkpoint_dir`).
         Interrupted: Ctrl-C (a `KeyboardInterrupt`); a checkpoint was saved (with
             `checkpoint_dir`; without one, Ctrl-C raises Python's own KeyboardInterrupt).

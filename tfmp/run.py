@@ -66,6 +66,11 @@ class Run:
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
         self.validation_ran_out = False
+        # A non-finite loss raises TrainingError; with a keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
+        self.nan_ends = any(
+            isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
+            for c in self.callbacks.callbacks
+        )
 
     def _monitor(self, start_step):
         if not self.log_dir:
@@ -233,8 +238,13 @@ class Run:
             loss_scale=float(out["loss_scale"]) if self.steps.scaled else None,
         )
         if message:
-            replay = self._replay(update.position - update.batches)
-            raise TrainingError(f"{message}. Replay of the failing batch: {replay}")
+            message = f"{message}. Replay of the failing batch: {self._replay(update.position - update.batches)}"
+            if not self.nan_ends:
+                raise TrainingError(message)
+            logging.warning("%s", message)
+            # What TerminateOnNaN reads, and the epoch's loss in the History, as in Keras fit (tfmp's running mean
+            # leaves out a non-finite loss: a step skipped for overflow must not make the epoch's mean inf).
+            logs = {**logs, "loss": float(out["step_loss"])}
         self.callbacks.on_train_batch_end(update.done - 1, logs)
         return logs
 
