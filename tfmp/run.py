@@ -66,7 +66,7 @@ class Run:
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
         self.validation_ran_out = False
-        # A non-finite loss raises TrainingError; with a keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
+        # A non-finite loss raises TrainingError; with keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
         self.nan_ends = any(
             isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
             for c in self.callbacks.callbacks
