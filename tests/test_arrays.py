@@ -82,6 +82,29 @@ def test_evaluate_and_validation_arrays_beside_a_dataset():
     np.testing.assert_allclose(history.history["val_loss"], [tfmp.evaluate(model, (x, y))["loss"]], rtol=1e-5)
 
 
+def test_arrays_without_a_batch_size_are_batched_as_keras_batches_them():
+    """As Keras: in steps_per_epoch batches where it is given (all the arrays an epoch),
+    validation arrays at validation_batch_size, else in validation_steps batches, and
+    tfmp.evaluate in `steps` batches: the same weights, validation losses and results."""
+    x, y = arrays()
+    kwargs = {"epochs": 2, "shuffle": False, "verbose": 0}
+    for validation in ({"validation_steps": 1}, {"validation_batch_size": 48, "validation_steps": 1}):
+        theirs = regression()
+        expected = theirs.fit(
+            x[:192], y[:192], steps_per_epoch=3, validation_data=(x[192:], y[192:]), **validation, **kwargs
+        )
+        ours = regression()
+        history = tfmp.fit(
+            ours, x[:192], y[:192], steps_per_epoch=3, validation_data=(x[192:], y[192:]), **validation, **kwargs
+        )
+        assert_same(weights(ours), weights(theirs), atol=0)  # Batches of 64: at 32, 0.01 apart.
+        np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)
+        assert int(ours.optimizer.iterations.numpy()) == 6
+    assert tfmp.evaluate(ours, x, y, steps=3) == pytest.approx(
+        theirs.evaluate(x, y, steps=3, verbose=0, return_dict=True), rel=1e-6
+    )
+
+
 @pytest.mark.parametrize(
     "args, kwargs, words",
     [
@@ -91,6 +114,12 @@ def test_evaluate_and_validation_arrays_beside_a_dataset():
         (arrays(), {"validation_split": 0.2, "validation_data": arrays()}, "not both"),
         ((arrays()[0], arrays()[1][:10]), {}, r"same number \(> 0\) of examples; their lengths are \[10, 256\]"),
         (arrays(), {"batch_size": 0}, "batch_size must be an integer >= 1"),
+        (
+            arrays(),
+            {"validation_split": 0.25, "validation_batch_size": 1.5},
+            "validation_batch_size must be an integer",
+        ),
+        ((regression_data(),), {"validation_data": regression_data(), "validation_batch_size": 8}, "batch it yourself"),
         ((arrays() + (np.ones(256),),), {"sample_weight": np.ones(256)}, "sample_weight is given twice"),
         ((regression_data(),), {"batch_size": 32}, "batch_size= is for arrays, and data is a dataset: batch the"),
         ((regression_data(),), {"shuffle": True}, r"data.shuffle\(buffer"),

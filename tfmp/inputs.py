@@ -132,10 +132,25 @@ _FOR_ARRAYS = {
 }
 
 
-def datasets(data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy, training=True):
+def datasets(
+    data,
+    y,
+    sample_weight,
+    validation_data,
+    validation_split,
+    batch_size,
+    shuffle,
+    strategy,
+    training=True,
+    steps=None,
+    validation_steps=None,
+    validation_batch_size=None,
+):
     """(training data, validation data) as datasets (or callables), from arrays, PyDatasets
     or generators as `model.fit` takes them (arrays and PyDatasets shuffled by default where
-    `training`); a dataset as it is, where no argument for arrays is given."""
+    `training`); a dataset as it is, where no argument for arrays is given. Arrays without a
+    batch size are batched as Keras batches them: in `steps` batches where `steps` is given
+    (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
     seed = keras_compat.global_seed() or 0
     kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
     if pydata.is_python_data(data):
@@ -157,27 +172,54 @@ def datasets(data, y, sample_weight, validation_data, validation_split, batch_si
         for name, value in given.items():
             if value is not None:
                 raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
+        _check_validation_batch(validation_batch_size, validation_data)
         if is_arrays(validation_data):  # Batched as the training data is.
             batch = batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
-            validation_data = from_arrays(validation_data, batch or 32, drop_remainder=tpu)
+            batch = validation_batch_size or batch or keras_batch(validation_data, validation_steps)
+            validation_data = from_arrays(validation_data, batch, drop_remainder=tpu)
         return data, validation_data
     if sample_weight is not None:
         if len(arrays) == 3:
             raise UsageError("sample_weight is given twice: in the data tuple and as sample_weight")
         arrays = (*arrays, sample_weight)
-    if batch_size is not None and (not isinstance(batch_size, int | np.integer) or batch_size < 1):
-        raise UsageError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_batch("batch_size", batch_size)
     if validation_split:
         if not 0 < validation_split < 1:
             raise UsageError(f"validation_split must be in [0, 1), got {validation_split!r}")
         if validation_data is not None:
             raise UsageError("give validation_data or validation_split, not both")
         arrays, validation_data = split_arrays(arrays, validation_split)
-    batch_size = batch_size or 32
-    train = from_arrays(arrays, batch_size, training if shuffle is None else shuffle, seed, drop_remainder=tpu)
+    _check_validation_batch(validation_batch_size, validation_data)
+    order = training if shuffle is None else shuffle
+    train = from_arrays(arrays, batch_size or keras_batch(arrays, steps), order, seed, drop_remainder=tpu)
     if is_arrays(validation_data):
-        validation_data = from_arrays(validation_data, batch_size, drop_remainder=tpu)
+        batch = validation_batch_size or batch_size or keras_batch(validation_data, validation_steps)
+        validation_data = from_arrays(validation_data, batch, drop_remainder=tpu)
     return train, validation_data
+
+
+def keras_batch(arrays, steps):
+    """The batch Keras gives arrays without a batch size: all of them in `steps` batches
+    where `steps` is given (`model.fit(x, y, steps_per_epoch=4)` trains on batches of
+    ceil(n / 4)), else 32. A bad `steps` is left to its own check."""
+    if isinstance(steps, int | np.integer) and not isinstance(steps, bool) and steps >= 1:
+        return -(-num_examples(arrays) // int(steps))
+    return 32
+
+
+def _check_batch(name, batch):
+    """UsageError for a batch size that is not an integer >= 1."""
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1):
+        raise UsageError(f"{name} must be an integer >= 1, got {batch!r}")
+
+
+def _check_validation_batch(batch, validation_data):
+    """`_check_batch`, and UsageError for a batch size given to validation data that is batched already."""
+    _check_batch("validation_batch_size", batch)
+    if batch is not None and validation_data is not None and not is_arrays(validation_data):
+        raise UsageError(
+            "validation_batch_size batches validation arrays; validation_data is not arrays: batch it yourself"
+        )
 
 
 def is_array_structure(data):

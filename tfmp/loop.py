@@ -43,6 +43,7 @@ def fit(
     validation_data=None,
     validation_split=0.0,
     validation_steps=None,
+    validation_batch_size=None,
     validation_freq=1,
     shuffle=None,
     class_weight=None,
@@ -85,7 +86,8 @@ def fit(
             sample_weight)`; then `batch_size`, `shuffle`, `validation_split` and
             `sample_weight` apply.
         y: the targets, where `data` is the arrays `x`.
-        batch_size: the GLOBAL batch of arrays (default 32); a dataset is batched already.
+        batch_size: the GLOBAL batch of arrays; default, as in `model.fit`: the arrays in
+            `steps_per_epoch` batches where it is given, else 32. A dataset is batched already.
         epochs: epochs to train to (counting `initial_epoch`'s).
         initial_epoch: the epoch to start at (a resumed checkpoint overrides it).
         steps_per_epoch: batches per epoch; default: one pass over `data`. A finite
@@ -95,6 +97,9 @@ def fit(
         validation_split: with arrays, the fraction of the examples held out for
             validation (the last ones, before shuffling, as `model.fit` does).
         validation_steps: batches per validation; default: all of `validation_data`.
+        validation_batch_size: the batch of validation arrays; default `batch_size`, else
+            (as in `model.fit`) the arrays in `validation_steps` batches, else 32 (beside a
+            dataset: its batch).
         validation_freq: validate every this many epochs.
         shuffle: with arrays (default True): the examples in a new order each epoch, the
             orders set by `tfmp.set_seed`'s seed (0 without one), so that a resumed run
@@ -159,7 +164,17 @@ def fit(
     _keras_only(keras_only)
     strategy = _check_arguments(**locals())
     data, validation_data = inputs.datasets(
-        data, y, sample_weight, validation_data, validation_split, batch_size, shuffle, strategy
+        data,
+        y,
+        sample_weight,
+        validation_data,
+        validation_split,
+        batch_size,
+        shuffle,
+        strategy,
+        steps=steps_per_epoch,
+        validation_steps=validation_steps,
+        validation_batch_size=validation_batch_size,
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
@@ -250,7 +265,8 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
             dataset` (then `steps` is required); or arrays as `tfmp.fit` takes them:
             `x` here and `y` next, or a tuple `(x, y)` or `(x, y, sample_weight)`.
         y: the targets, where `data` is the arrays `x`.
-        batch_size: the GLOBAL batch of arrays (default 32).
+        batch_size: the GLOBAL batch of arrays; default, as in `model.evaluate`: the arrays
+            in `steps` batches where it is given, else 32.
         steps: batches to evaluate; default: all.
         strategy: default: the strategy the model was built under.
         jit_compile: run each replica's forward pass with XLA (True, False or "auto").
@@ -264,7 +280,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
-    data, _ = inputs.datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False)
+    data, _ = inputs.datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False, steps=steps)
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
@@ -276,7 +292,6 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
 
 _KERAS_ONLY = {
     "x": "give x as `data` (the first argument after the model)",
-    "validation_batch_size": "validation arrays are batched at batch_size; batch a validation dataset itself",
 }
 
 
