@@ -315,6 +315,12 @@ def test_steps_per_execution_trains_the_same_weights():
     tfmp.fit(grouped, regression_data(), epochs=2, steps_per_execution=3, callbacks=[counter], verbose=0)
     assert_same(weights(grouped), weights(one))
     assert batches == [2, 5, 6, 7] * 2
+    compiled = regression()  # As model.fit takes it: compile(steps_per_execution=3)'s, where fit gives none.
+    compiled.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"], steps_per_execution=3)
+    batches.clear()
+    tfmp.fit(compiled, regression_data(), epochs=2, callbacks=[counter], verbose=0)
+    assert_same(weights(compiled), weights(one))
+    assert batches == [2, 5, 6, 7] * 2
 
 
 @pytest.mark.parametrize("known_length", [False, True], ids=["unknown_length_no_xla", "known_length_xla"])

@@ -52,7 +52,7 @@ def fit(
     strategy=None,
     grad_accum_steps=1,
     clipnorm=None,
-    steps_per_execution=1,
+    steps_per_execution=None,
     checkpoint_dir=None,
     checkpoint_every=200,
     log_dir=None,
@@ -117,7 +117,8 @@ def fit(
         grad_accum_steps: every N consecutive batches make one update, equal to one
             update on their concatenation.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients.
-        steps_per_execution: updates per compiled call (TPUs: fewer host round trips).
+        steps_per_execution: updates per compiled call (TPUs: fewer host round trips);
+            default: the model's, as model.fit takes it (`compile(steps_per_execution=N)`, 1).
         checkpoint_dir: save model, optimizer (loss scale included), epoch and input
             position here every `checkpoint_every` batches and at each epoch's end, and
             resume from the latest checkpoint found there. Several workers: the chief
@@ -162,6 +163,8 @@ def fit(
         ...                    grad_accum_steps=4, clipnorm=1.0, checkpoint_dir="runs/mine")
     """
     _keras_only(keras_only)
+    if steps_per_execution is None:
+        steps_per_execution = getattr(model, "steps_per_execution", 1)
     strategy = _check_arguments(**locals())
     data, validation_data = inputs.datasets(
         data,
