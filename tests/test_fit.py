@@ -190,6 +190,13 @@ class StepOverride(keras.Model):
         return {}
 
 
+@seeded
+def _unreduced_loss():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile("sgd", keras.losses.MeanSquaredError(reduction=None))
+    return model
+
+
 def _overrides_train_step():
     inputs = keras.Input((8,))
     model = StepOverride(inputs, keras.layers.Dense(1)(inputs))
@@ -213,6 +220,8 @@ def _overrides_train_step():
         (regression, regression_data, {"clipnorm": float("nan")}, "clipnorm"),
         (regression, regression_data, {"verbose": 3}, "verbose"),
         (regression, lambda: regression_data().take(1), {"grad_accum_steps": 2}, "fewer than"),
+        (_unreduced_loss, regression_data, {}, r"not one number but shape \(None,\).*reduction='sum_over_batch_size'"),
+        (_unreduced_loss, regression_data, {"jit_compile": True}, "reduction=None gives one per example"),
     ],
 )
 def test_bad_use_is_one_usage_error(make_model, data, kwargs, words):

@@ -26,6 +26,8 @@ import inspect
 
 import keras
 
+from tfmp.errors import UsageError
+
 
 def symbolic_build(model, element_spec):
     """Builds `model`, its compiled loss and metrics and its optimizer from a data spec,
@@ -46,7 +48,11 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
     Each loss a layer added (`add_loss`, an `activity_regularizer`) is summed in float32.
     Keras sums one computed in float16 or bfloat16 in that dtype, then fails adding it to
     the float32 compiled loss ("Cannot convert a list containing a tensor of dtype float16"),
-    so under a mixed policy `model.fit` cannot train such a model."""
+    so under a mixed policy `model.fit` cannot train such a model.
+
+    Raises:
+        UsageError: the loss is not a scalar (a compiled loss with `reduction=None`).
+    """
     aggregate = type(model)._aggregate_additional_loss.__get__(model)  # noqa: SLF001 - Keras' own, never a wrapper.
 
     def in_float32(loss):
@@ -55,9 +61,16 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 
     object.__setattr__(model, "_aggregate_additional_loss", in_float32)  # Past Keras' tracking; this call only.
     try:
-        return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
+        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
     finally:
         model.__dict__.pop("_aggregate_additional_loss", None)  # (A MirroredStrategy's replicas run one at a time.)
+    if loss is not None and loss.shape.rank:
+        raise UsageError(
+            f"the model's loss is not one number but shape {loss.shape} (a loss with reduction=None gives one per "
+            "example): give it reduction='sum_over_batch_size' (the mean, Keras' default) or 'sum' (model.fit "
+            "trains an unreduced loss as its sum, and reports its mean)"
+        )
+    return loss
 
 
 def call(model, x, training):
