@@ -78,6 +78,9 @@ def test_evaluate_and_validation_arrays_beside_a_dataset():
     result = tfmp.evaluate(model, x, y, batch_size=64)
     assert result.keys() == expected.keys()
     np.testing.assert_allclose([result[k] for k in expected], list(expected.values()), rtol=1e-5)
+    weight = np.linspace(0.0, 2.0, len(x), dtype=np.float32)
+    expected = model.evaluate(x, y, sample_weight=weight, verbose=0, return_dict=True)
+    assert tfmp.evaluate(model, x, y, sample_weight=weight) == pytest.approx(expected, rel=1e-5)
     history = tfmp.fit(model, regression_data(), validation_data=(x, y), verbose=0)
     np.testing.assert_allclose(history.history["val_loss"], [tfmp.evaluate(model, (x, y))["loss"]], rtol=1e-5)
 

@@ -259,7 +259,7 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
 _STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
 
 
-def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None, jit_compile=False):
+def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=None, strategy=None, jit_compile=False):
     """The model's compiled loss and metrics over `data`, under its strategy.
 
     Args:
@@ -270,6 +270,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
         y: the targets, where `data` is the arrays `x`.
         batch_size: the GLOBAL batch of arrays; default, as in `model.evaluate`: the arrays
             in `steps` batches where it is given, else 32.
+        sample_weight: with arrays, each example's weight (as in `model.evaluate`).
         steps: batches to evaluate; default: all.
         strategy: default: the strategy the model was built under.
         jit_compile: run each replica's forward pass with XLA (True, False or "auto").
@@ -283,7 +284,7 @@ def evaluate(model, data, y=None, *, batch_size=None, steps=None, strategy=None,
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
-    data, _ = inputs.datasets(data, y, None, None, 0.0, batch_size, None, strategy, training=False, steps=steps)
+    data, _ = inputs.datasets(data, y, sample_weight, None, 0, batch_size, None, strategy, training=False, steps=steps)
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
