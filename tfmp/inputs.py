@@ -145,10 +145,13 @@ def datasets(
     steps=None,
     validation_steps=None,
     validation_batch_size=None,
+    targets=True,
 ):
     """(training data, validation data) as datasets (or callables), from arrays, PyDatasets
     or generators as `model.fit` takes them (arrays and PyDatasets shuffled by default where
-    `training`); a dataset as it is, where no argument for arrays is given. Arrays without a
+    `training`); a dataset as it is, where no argument for arrays is given. Without
+    `targets` (a model with no compiled loss: its layers add theirs), arrays may be inputs
+    alone, `x` or `(x,)`, as `model.fit(x)` takes them. Arrays without a
     batch size are batched as Keras batches them: in `steps` batches where `steps` is given
     (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
     seed = keras_compat.global_seed() or 0
@@ -165,8 +168,10 @@ def datasets(
         arrays = (data, y)  # tfmp.fit(model, x, y), as model.fit(x, y).
     elif is_arrays(data):
         arrays = data
-    elif is_array_structure(data):
+    elif is_array_structure(data) and targets:
         raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
+    elif is_array_structure(data):
+        arrays = (data,)
     tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.
     if arrays is None:
         for name, value in given.items():
@@ -179,6 +184,8 @@ def datasets(
             validation_data = from_arrays(validation_data, batch, drop_remainder=tpu)
         return data, validation_data
     if sample_weight is not None:
+        if len(arrays) == 1:
+            raise UsageError("sample_weight weighs the compiled loss against targets, and there are neither")
         if len(arrays) == 3:
             raise UsageError("sample_weight is given twice: in the data tuple and as sample_weight")
         arrays = (*arrays, sample_weight)
@@ -231,9 +238,10 @@ def is_array_structure(data):
 
 
 def is_arrays(data):
-    """Whether `data` is `model.fit`'s arrays: a tuple (x, y) or (x, y, sample_weight) of
-    numpy arrays or tensors (x and y may be tuples, lists or dicts of them)."""
-    return isinstance(data, tuple | list) and len(data) in (2, 3) and is_array_structure(data)
+    """Whether `data` is `model.fit`'s arrays: a tuple (x, y) or (x, y, sample_weight), or
+    (x,) for a model with no compiled loss, of numpy arrays or tensors (x and y may be
+    tuples, lists or dicts of them)."""
+    return isinstance(data, tuple | list) and len(data) in (1, 2, 3) and is_array_structure(data)
 
 
 def split_arrays(arrays, validation_split):

@@ -83,8 +83,9 @@ def fit(
             decoding), returning the whole remaining stream; otherwise tfmp applies
             `Dataset.skip` to what it returns. Or, as `model.fit` takes them, arrays
             (numpy or tensors): `x` here and `y` next, or a tuple `(x, y)` or `(x, y,
-            sample_weight)`; then `batch_size`, `shuffle`, `validation_split` and
-            `sample_weight` apply.
+            sample_weight)`, or `x` alone for a model with no compiled loss (its layers
+            add it); then `batch_size`, `shuffle`, `validation_split` and `sample_weight`
+            apply.
         y: the targets, where `data` is the arrays `x`.
         batch_size: the GLOBAL batch of arrays; default, as in `model.fit`: the arrays in
             `steps_per_epoch` batches where it is given, else 32. A dataset is batched already.
@@ -178,6 +179,7 @@ def fit(
         steps=steps_per_epoch,
         validation_steps=validation_steps,
         validation_batch_size=validation_batch_size,
+        targets=keras_compat.compiled(model)[0] is not None,
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
@@ -284,7 +286,19 @@ def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
-    data, _ = inputs.datasets(data, y, sample_weight, None, 0, batch_size, None, strategy, training=False, steps=steps)
+    data, _ = inputs.datasets(
+        data,
+        y,
+        sample_weight,
+        None,
+        0,
+        batch_size,
+        None,
+        strategy,
+        training=False,
+        steps=steps,
+        targets=keras_compat.compiled(model)[0] is not None,
+    )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
