@@ -176,6 +176,24 @@ def regression():
     return model
 
 
+class Reconstruction(keras.layers.Layer):
+    """Adds the mean squared error of its second input against its first: the model's loss."""
+
+    def call(self, inputs):
+        x, reconstructed = inputs
+        self.add_loss(keras.ops.mean(keras.ops.square(x - reconstructed)))
+        return reconstructed
+
+
+@seeded
+def autoencoder():
+    inputs = keras.Input((8,))
+    code = keras.layers.Dense(3, activation="relu")(inputs)
+    model = keras.Model(inputs, Reconstruction()([inputs, keras.layers.Dense(8)(code)]))
+    model.compile(keras.optimizers.SGD(0.1))  # No compiled loss: its layer adds it.
+    return model
+
+
 def regression_arrays(n=256):
     rng = np.random.default_rng(1)
     x = rng.random((n, 8), dtype=np.float32)

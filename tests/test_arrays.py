@@ -5,7 +5,7 @@ order is the same, a shuffle that a resumed run repeats, and clear errors."""
 import keras
 import numpy as np
 import pytest
-from conftest import assert_same, regression, regression_arrays, regression_data, seeded, weights
+from conftest import assert_same, autoencoder, regression, regression_arrays, regression_data, weights
 
 import tfmp
 from tfmp.errors import UsageError
@@ -108,30 +108,12 @@ def test_arrays_without_a_batch_size_are_batched_as_keras_batches_them():
     )
 
 
-class _Reconstruction(keras.layers.Layer):
-    """Adds the mean squared error of its second input against its first: the model's loss."""
-
-    def call(self, inputs):
-        x, reconstructed = inputs
-        self.add_loss(keras.ops.mean(keras.ops.square(x - reconstructed)))
-        return reconstructed
-
-
-@seeded
-def _autoencoder():
-    inputs = keras.Input((8,))
-    code = keras.layers.Dense(3, activation="relu")(inputs)
-    model = keras.Model(inputs, _Reconstruction()([inputs, keras.layers.Dense(8)(code)]))
-    model.compile(keras.optimizers.SGD(0.1))  # No compiled loss: its layer adds it.
-    return model
-
-
 def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
     """model.fit(x) of a model with no compiled loss: the same weights and validation losses."""
     x, _ = arrays()
-    theirs = _autoencoder()
+    theirs = autoencoder()
     expected = theirs.fit(x, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
-    ours = _autoencoder()
+    ours = autoencoder()
     history = tfmp.fit(ours, x, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
     assert_same(weights(ours), weights(theirs), atol=0)
     np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
+from conftest import autoencoder
 
 import tfmp
 from tfmp import doctor, heads
@@ -89,6 +90,7 @@ def test_diagnose_reads_arrays_and_python_data_as_tfmp_fit_does():
     assert tfmp.diagnose(overflowing(), batches, steps=2).keep_float32 == ["blowup"]
     with pytest.raises(tfmp.UsageError, match="give the targets too"):
         tfmp.diagnose(clean(), X)
+    assert tfmp.diagnose(autoencoder(), X, steps=2).layers  # No compiled loss (its layer adds it): inputs alone.
     with pytest.raises(tfmp.UsageError, match="diagnose reads a dataset, .* not a function"):
         tfmp.diagnose(clean(), lambda context: data())
 
