@@ -108,6 +108,27 @@ def test_arrays_without_a_batch_size_are_batched_as_keras_batches_them():
     )
 
 
+class _Frame:
+    """What tfmp reads of a pandas DataFrame or Series (pandas is not installed here): `__array__`, a shape."""
+
+    def __init__(self, values):
+        self.values, self.shape = values, values.shape
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.values, dtype=dtype)
+
+
+def test_array_likes_train_as_their_numpy_arrays():
+    x, y = arrays()
+    theirs = regression()
+    expected = theirs.fit(x, y, shuffle=False, validation_data=(x[:64], y[:64]), verbose=0)
+    ours = regression()
+    validation = (_Frame(x[:64]), _Frame(y[:64]))
+    history = tfmp.fit(ours, _Frame(x), _Frame(y), shuffle=False, validation_data=validation, verbose=0)
+    assert_same(weights(ours), weights(theirs), atol=0)
+    assert history.history["val_loss"] == pytest.approx(expected.history["val_loss"], rel=1e-6)
+
+
 def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
     """model.fit(x) of a model with no compiled loss: the same weights and validation losses."""
     x, _ = arrays()

@@ -154,6 +154,7 @@ def datasets(
     alone, `x` or `(x,)`, as `model.fit(x)` takes them. Arrays without a
     batch size are batched as Keras batches them: in `steps` batches where `steps` is given
     (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
+    data, y, sample_weight, validation_data = (numpy_leaves(a) for a in (data, y, sample_weight, validation_data))
     seed = keras_compat.global_seed() or 0
     kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
     if pydata.is_python_data(data):
@@ -227,6 +228,18 @@ def _check_validation_batch(batch, validation_data):
         raise UsageError(
             "validation_batch_size batches validation arrays; validation_data is not arrays: batch it yourself"
         )
+
+
+def numpy_leaves(data):
+    """`data` with each array-like in it (a pandas DataFrame or Series, a JAX array: what
+    has `__array__` and a `shape`) as a numpy array, as `model.fit` takes them."""
+
+    def leaf(value):
+        if isinstance(value, np.ndarray | tf.Tensor | tf.data.Dataset) or not hasattr(value, "__array__"):
+            return value
+        return np.asarray(value) if hasattr(value, "shape") else value
+
+    return tf.nest.map_structure(leaf, data) if isinstance(data, tuple | list | dict) else leaf(data)
 
 
 def is_array_structure(data):

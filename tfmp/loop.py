@@ -82,7 +82,7 @@ def fit(
             global batches a resumed run skips, and skips them itself (cheaply, before
             decoding), returning the whole remaining stream; otherwise tfmp applies
             `Dataset.skip` to what it returns. Or, as `model.fit` takes them, arrays
-            (numpy or tensors): `x` here and `y` next, or a tuple `(x, y)` or `(x, y,
+            (numpy, tensors, pandas DataFrames and Series): `x` here and `y` next, or a tuple `(x, y)` or `(x, y,
             sample_weight)`, or `x` alone for a model with no compiled loss (its layers
             add it); then `batch_size`, `shuffle`, `validation_split` and `sample_weight`
             apply.
