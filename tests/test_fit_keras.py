@@ -138,3 +138,19 @@ def test_terminate_on_nan_ends_the_run_as_in_model_fit(tmp_path, caplog, raise_e
     assert any("non-finite loss (nan) at step 3" in r.getMessage() for r in caplog.records)
     path = tf.train.latest_checkpoint(str(tmp_path))
     assert int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE")) == 2
+
+
+def test_validation_freq_as_a_list_of_epochs_validates_those_as_model_fit_does():
+    def validated_epochs(fit):
+        epochs = []
+        record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: epochs.append("val_loss" in logs))
+        fit(callbacks=[record], epochs=4, validation_data=regression_data(), validation_freq=[1, 3], verbose=0)
+        return epochs
+
+    theirs = regression()
+    expected = validated_epochs(lambda **kw: theirs.fit(regression_data(), **kw))
+    ours = regression()
+    assert validated_epochs(lambda **kw: tfmp.fit(ours, regression_data(), **kw)) == expected == [1, 0, 1, 0]
+    for bad in ([], [0, 2], 1.5):
+        with pytest.raises(UsageError, match="validation_freq must be an integer >= 1 or a list of epochs"):
+            tfmp.fit(ours, regression_data(), validation_data=regression_data(), validation_freq=bad, verbose=0)

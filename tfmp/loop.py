@@ -101,7 +101,8 @@ def fit(
         validation_batch_size: the batch of validation arrays; default `batch_size`, else
             (as in `model.fit`) the arrays in `validation_steps` batches, else 32 (beside a
             dataset: its batch).
-        validation_freq: validate every this many epochs.
+        validation_freq: validate every this many epochs, or, as in `model.fit`, at the end
+            of the epochs a list names (counted from 1).
         shuffle: with arrays (default True): the examples in a new order each epoch, the
             orders set by `tfmp.set_seed`'s seed (0 without one), so that a resumed run
             reads the batches the interrupted one would have. A dataset shuffles itself.
@@ -347,10 +348,13 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         ("steps_per_execution", kw["steps_per_execution"], 1),
         ("checkpoint_every", kw["checkpoint_every"], 0),
         ("log_every", kw["log_every"], 1),
-        ("validation_freq", kw["validation_freq"], 1),
     ):
         if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    freq = kw["validation_freq"]
+    listed = list(freq) if isinstance(freq, list | tuple) else [freq]  # Keras' list: the epochs that validate.
+    if not listed or not all(isinstance(f, int | np.integer) and not isinstance(f, bool) and f >= 1 for f in listed):
+        raise UsageError(f"validation_freq must be an integer >= 1 or a list of epochs (from 1), got {freq!r}")
     for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", kw["validation_steps"])):
         if value is not None and (not isinstance(value, int | np.integer) or value < 1):
             raise UsageError(f"{name} must be None or an integer >= 1, got {value!r}")

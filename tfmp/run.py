@@ -22,6 +22,14 @@ def evaluated_nothing(model):
     return tracker is not None and float(tracker.count.numpy()) == 0  # (Summed over this worker's replicas.)
 
 
+def validates(epoch, validation_freq):
+    """Whether epoch `epoch` (from 0) ends with validation: every `validation_freq`-th, or
+    each epoch a list of them names (from 1), as in Keras fit."""
+    if isinstance(validation_freq, list | tuple):
+        return epoch + 1 in validation_freq
+    return (epoch + 1) % validation_freq == 0
+
+
 def runs_once(steps_arg):
     """What to do where an input gave a pass no batch: `steps_arg` names the argument that
     bounds a generator without end (steps_per_epoch, validation_steps, steps)."""
@@ -115,7 +123,7 @@ class Run:
                     for _ in range(source.period - done):
                         next(iterator)
                 epoch_logs = dict(logs or steps.results())
-                if self.val_input is not None and (epoch + 1) % validation_freq == 0:
+                if self.val_input is not None and validates(epoch, validation_freq):
                     epoch_logs.update(self._validate(epoch))
                 epoch, offset = epoch + 1, 0
                 if self.saver is not None and not model.stop_training:
