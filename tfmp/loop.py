@@ -171,12 +171,12 @@ def fit(
     data, validation_data = inputs.datasets(
         data,
         y,
-        sample_weight,
-        validation_data,
-        validation_split,
-        batch_size,
-        shuffle,
-        strategy,
+        strategy=strategy,
+        sample_weight=sample_weight,
+        validation_data=validation_data,
+        validation_split=validation_split,
+        batch_size=batch_size,
+        shuffle=shuffle,
         steps=steps_per_epoch,
         validation_steps=validation_steps,
         validation_batch_size=validation_batch_size,
@@ -287,18 +287,16 @@ def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
+    targets = keras_compat.compiled(model)[0] is not None
     data, _ = inputs.datasets(
         data,
         y,
-        sample_weight,
-        None,
-        0,
-        batch_size,
-        None,
-        strategy,
+        strategy=strategy,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
         training=False,
         steps=steps,
-        targets=keras_compat.compiled(model)[0] is not None,
+        targets=targets,
     )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)

@@ -50,8 +50,8 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
-    strategy, targets = model.distribute_strategy, keras_compat.compiled(model)[0] is not None
-    data, _ = data_inputs.datasets(data, None, None, None, 0, None, None, strategy, training=False, targets=targets)
+    targets = keras_compat.compiled(model)[0] is not None
+    data, _ = data_inputs.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
         raise UsageError(f"diagnose reads a dataset, arrays (x, y), a PyDataset or a generator, not a {kind}")
