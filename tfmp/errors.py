@@ -1,12 +1,20 @@
-"""Exception types that end a run with one line instead of a traceback."""
+"""Exception types that end a run with one line instead of a traceback, and the test every
+count argument (a batch size, a number of epochs or steps) is put to before one is raised."""
 
 import threading
+
+import numpy as np
 
 # Set by a SIGTERM handler that raises `Preempted` (train.py's, outside training), before it
 # raises: a raise that lands in a finalizer (`__del__`, a weakref callback) is printed and
 # dropped by Python, and the run would go on as if no SIGTERM had come. tfmp.fit's SIGTERM
 # guard and the handler's block read it back (tfmp.cli, tfmp.guards).
 SIGTERM_RECEIVED = threading.Event()
+
+
+def is_count(value, low=0):
+    """Whether `value` is an integer (Python's or numpy's, not a bool) >= `low`."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= low
 
 
 def first_line(error, limit=200, default=None):

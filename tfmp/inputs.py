@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp import distribute, keras_compat, pydata
-from tfmp.errors import UsageError, first_line
+from tfmp.errors import UsageError, first_line, is_count
 
 
 def batch_dim(element_spec):
@@ -207,18 +207,23 @@ def datasets(
     return train, validation_data
 
 
+def needs_targets(model):
+    """Whether `model`'s data must hold targets: it was compiled with a loss (else its layers add theirs)."""
+    return keras_compat.compiled(model)[0] is not None
+
+
 def keras_batch(arrays, steps):
     """The batch Keras gives arrays without a batch size: all of them in `steps` batches
     where `steps` is given (`model.fit(x, y, steps_per_epoch=4)` trains on batches of
     ceil(n / 4)), else 32. A bad `steps` is left to its own check."""
-    if isinstance(steps, int | np.integer) and not isinstance(steps, bool) and steps >= 1:
+    if is_count(steps, 1):
         return -(-num_examples(arrays) // int(steps))
     return 32
 
 
 def _check_batch(name, batch):
     """UsageError for a batch size that is not an integer >= 1."""
-    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1):
+    if batch is not None and not is_count(batch, 1):
         raise UsageError(f"{name} must be an integer >= 1, got {batch!r}")
 
 
@@ -302,8 +307,7 @@ def class_weights(class_weight, element_spec):
     if not isinstance(class_weight, dict) or not class_weight:
         raise UsageError(f"class_weight must be a non-empty dict {{class index: weight}}, got {class_weight!r}")
     for key, weight in class_weight.items():
-        index_ok = isinstance(key, int | np.integer) and not isinstance(key, bool) and key >= 0
-        if not index_ok or not isinstance(weight, int | float | np.number) or not 0 <= weight < np.inf:
+        if not is_count(key) or not isinstance(weight, int | float | np.number) or not 0 <= weight < np.inf:
             raise UsageError(f"class_weight maps class indices (>= 0) to finite weights >= 0; got {key!r}: {weight!r}")
     _, y, sample_weight = keras.utils.unpack_x_y_sample_weight(element_spec)
     if sample_weight is not None:
@@ -356,7 +360,7 @@ def build_for(model, strategy, element_spec):
                         f"{tuple(spec.shape)}"
                         + ("; its elements are single examples: batch the dataset (`.batch(N)`)" if unbatched else "")
                     )
-    if y is None and keras_compat.compiled(model)[0] is not None:
+    if y is None and needs_targets(model):
         raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
     with strategy.scope():
         try:

@@ -24,7 +24,7 @@ from tfmp import (
     tf_compat,
     xla,
 )
-from tfmp.errors import PeerLost, TrainingError, UsageError
+from tfmp.errors import PeerLost, TrainingError, UsageError, is_count
 from tfmp.run import Run, evaluated_nothing, runs_once
 from tfmp.steps import Steps
 
@@ -180,7 +180,7 @@ def fit(
         steps=steps_per_epoch,
         validation_steps=validation_steps,
         validation_batch_size=validation_batch_size,
-        targets=keras_compat.compiled(model)[0] is not None,
+        targets=inputs.needs_targets(model),
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
@@ -287,7 +287,6 @@ def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
-    targets = keras_compat.compiled(model)[0] is not None
     data, _ = inputs.datasets(
         data,
         y,
@@ -296,7 +295,7 @@ def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=
         batch_size=batch_size,
         training=False,
         steps=steps,
-        targets=targets,
+        targets=inputs.needs_targets(model),
     )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = prepare(model, strategy, source.element_spec)
@@ -347,11 +346,11 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         ("checkpoint_every", kw["checkpoint_every"], 0),
         ("log_every", kw["log_every"], 1),
     ):
-        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < low:
+        if not is_count(value, low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
     freq = kw["validation_freq"]
     listed = list(freq) if isinstance(freq, list | tuple) else [freq]  # Keras' list: the epochs that validate.
-    if not listed or not all(isinstance(f, int | np.integer) and not isinstance(f, bool) and f >= 1 for f in listed):
+    if not listed or not all(is_count(f, 1) for f in listed):
         raise UsageError(f"validation_freq must be an integer >= 1 or a list of epochs (from 1), got {freq!r}")
     for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", kw["validation_steps"])):
         if value is not None and (not isinstance(value, int | np.integer) or value < 1):

@@ -333,8 +333,9 @@ class Steps:
         with self.strategy.scope():  # Cross-replica reads of the on-read metric variables.
             out.update(self.model.get_metrics_result())
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
-        if keras_compat.learning_rate(self.optimizer) is not None:  # A MultiOptimizer has none of its own.
-            out["learning_rate"] = tf.convert_to_tensor(self.optimizer.learning_rate)
+        learning_rate = keras_compat.learning_rate(self.optimizer)
+        if learning_rate is not None:  # A MultiOptimizer has none of its own.
+            out["learning_rate"] = tf.convert_to_tensor(learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
         return self._outputs.pack(out)
 

@@ -50,7 +50,7 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
-    targets = keras_compat.compiled(model)[0] is not None
+    targets = data_inputs.needs_targets(model)
     data, _ = data_inputs.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
