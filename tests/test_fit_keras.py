@@ -1,7 +1,7 @@
 """Keras features that tfmp.fit honours as model.fit does, or refuses where it cannot: an
 optimizer's moving averages (use_ema), BackupAndRestore, the losses layers add under a mixed
-policy (where model.fit itself fails), compile(run_eagerly=True), a test_step of a model's own,
-TerminateOnNaN."""
+policy (where model.fit itself fails), compile(run_eagerly=True) and compile(auto_scale_loss=False),
+a test_step of a model's own, TerminateOnNaN."""
 
 import inspect
 
@@ -154,3 +154,23 @@ def test_validation_freq_as_a_list_of_epochs_validates_those_as_model_fit_does()
     for bad in ([], [0, 2], 1.5):
         with pytest.raises(UsageError, match="validation_freq must be an integer >= 1 or a list of epochs"):
             tfmp.fit(ours, regression_data(), validation_data=regression_data(), validation_freq=bad, verbose=0)
+
+
+@pytest.mark.parametrize("auto_scale_loss", [True, False])
+def test_compile_auto_scale_loss_is_honoured_as_model_fit_honours_it(auto_scale_loss):
+    """A mixed_float16 model compiled with auto_scale_loss=False trains without loss scaling
+    in model.fit; tfmp.fit too (it added its wrapper all the same). Left True, tfmp's wrapper
+    replaces the one Keras' compile added."""
+    keras.config.set_dtype_policy("mixed_float16")
+
+    def compiled():
+        model = regression()
+        model.compile(keras.optimizers.SGD(1e-3), "mse", jit_compile=False, auto_scale_loss=auto_scale_loss)
+        return model
+
+    theirs, ours = compiled(), compiled()
+    theirs.fit(regression_data(), epochs=2, verbose=0)
+    history = tfmp.fit(ours, regression_data(), epochs=2, verbose=0, jit_compile=False)
+    assert isinstance(ours.optimizer, tfmp.LossScaleOptimizer) == auto_scale_loss
+    assert ("loss_scale" in history.history) == auto_scale_loss
+    assert_same(weights(ours), weights(theirs), atol=1e-6)

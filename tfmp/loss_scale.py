@@ -145,9 +145,14 @@ def for_model(model, strategy):
 
     A model whose layers compute in float16 gets one even under a float32 global policy,
     and a Keras `LossScaleOptimizer` (which `compile` adds under mixed_float16) is
-    replaced, keeping its state. Returns the optimizer the model now has.
+    replaced, keeping its state. A model compiled with `auto_scale_loss=False` (Keras left
+    its mixed_float16 optimizer bare) trains without loss scaling, as `model.fit` trains it.
+    Returns the optimizer the model now has.
     """
     optimizer = model.optimizer
+    if scaling_declined(model):
+        logging.info("No loss scaling: the mixed_float16 model was compiled with auto_scale_loss=False.")
+        return optimizer
     with strategy.scope():  # The wrapper's own variables are the strategy's, like the model's.
         wrapped = wrap_optimizer(optimizer, model=model)
         if wrapped is not optimizer and not wrapped.built and optimizer.built:
@@ -155,6 +160,13 @@ def for_model(model, strategy):
     if wrapped is not optimizer:
         model.optimizer = wrapped
     return model.optimizer
+
+
+def scaling_declined(model):
+    """Whether `model` was compiled with `auto_scale_loss=False`: Keras' compile wraps the
+    optimizer of a mixed_float16 model in every other case (it keeps no record of the flag)."""
+    optimizer = model.optimizer
+    return model.dtype_policy.name == "mixed_float16" and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def loss_scale_of(optimizer):
