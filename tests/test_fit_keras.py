@@ -1,9 +1,10 @@
 """Keras features that tfmp.fit honours as model.fit does, or refuses where it cannot: an
 optimizer's moving averages (use_ema), BackupAndRestore, the losses layers add under a mixed
 policy (where model.fit itself fails), compile(run_eagerly=True) and compile(auto_scale_loss=False),
-a test_step of a model's own, TerminateOnNaN."""
+a test_step of a model's own, TerminateOnNaN, the callbacks and progress bar of evaluation."""
 
 import inspect
+import re
 
 import keras
 import numpy as np
@@ -174,3 +175,52 @@ def test_compile_auto_scale_loss_is_honoured_as_model_fit_honours_it(auto_scale_
     assert isinstance(ours.optimizer, tfmp.LossScaleOptimizer) == auto_scale_loss
     assert ("loss_scale" in history.history) == auto_scale_loss
     assert_same(weights(ours), weights(theirs), atol=1e-6)
+
+
+class _TestEvents(keras.callbacks.Callback):
+    """Records the test hooks with their logs; sets model.stop_evaluating after batch `stop_after`."""
+
+    def __init__(self, stop_after=None):
+        super().__init__()
+        self.events, self.stop_after = [], stop_after
+
+    def on_test_begin(self, logs=None):
+        self.events.append(("begin",))
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.events.append(("batch begin", batch))
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.events.append(("batch end", batch, {k: round(v, 4) for k, v in (logs or {}).items()}))
+        if batch == self.stop_after:
+            self.model.stop_evaluating = True
+
+    def on_test_end(self, logs=None):
+        self.events.append(("end", {k: round(v, 4) for k, v in (logs or {}).items()}))
+
+
+def test_evaluate_and_validation_call_callbacks_as_model_evaluate_and_fit_do():
+    """The test hooks, each batch's running logs, and stop_evaluating ending the pass: as
+    model.evaluate calls them, and as model.fit's validation pass does."""
+    x, y = regression_arrays()
+    theirs, ours = regression(), regression()
+    expected, got = _TestEvents(stop_after=3), _TestEvents(stop_after=3)
+    logs = theirs.evaluate(x, y, callbacks=[expected], verbose=0, return_dict=True)
+    assert tfmp.evaluate(ours, x, y, callbacks=[got], verbose=0) == pytest.approx(logs, rel=1e-6)
+    assert got.events == expected.events and len(expected.events) == 10  # Begin, 4 batches, end.
+    expected, got = _TestEvents(), _TestEvents()
+    theirs.fit(x, y, shuffle=False, validation_data=(x, y), callbacks=[expected], verbose=0)
+    tfmp.fit(ours, x, y, shuffle=False, validation_data=(x, y), callbacks=[got], verbose=0)
+    assert got.events == expected.events and len(expected.events) == 18
+
+
+def test_evaluate_shows_progress_as_model_evaluate_does(capsys):
+    model = regression()
+    tfmp.evaluate(model, regression_data())
+    assert "8/8" in capsys.readouterr().out
+    tfmp.evaluate(model, regression_data(), verbose=2)
+    assert re.search(r"^8/8 - .* - loss: [0-9.]+ - mae: [0-9.]+$", capsys.readouterr().out, re.MULTILINE)
+    tfmp.evaluate(model, regression_data(), verbose=0)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(UsageError, match="verbose must be one of auto, 0, 1, 2, got 3"):
+        tfmp.evaluate(model, regression_data(), verbose=3)

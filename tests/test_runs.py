@@ -259,13 +259,13 @@ def test_a_finished_run_run_again_says_so_and_keeps_its_training_figures(trained
 
 
 def test_sigterm_during_final_evaluation_exits_75(tmp_path, capsys, monkeypatch):
-    evaluate = training.loop.evaluate
+    evaluate = training.evaluation.evaluate
 
     def terminated_evaluate(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(training.loop, "evaluate", terminated_evaluate)
+    monkeypatch.setattr(training.evaluation, "evaluate", terminated_evaluate)
     assert run_main(*SMALL, f"--model_dir={tmp_path / 'run'}", "--checkpoint_every=1") == 75
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "preempted: SIGTERM outside training" in lines[0]

@@ -23,7 +23,7 @@ _EXPORTS = {
     "ClassificationHead": "tfmp.heads",
     "audit": "tfmp.heads",
     "classification_head": "tfmp.heads",
-    "evaluate": "tfmp.loop",
+    "evaluate": "tfmp.evaluation",
     "fit": "tfmp.loop",
     "LossScaleOptimizer": "tfmp.loss_scale",
     "wrap_optimizer": "tfmp.loss_scale",

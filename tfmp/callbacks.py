@@ -67,6 +67,12 @@ def peak_memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB.
 
 
+def overrides(callbacks, hook, ignore=()):
+    """Whether a callback in the `CallbackList` `callbacks`, not one of the types `ignore`, has a `hook` of its own."""
+    base = getattr(keras.callbacks.Callback, hook)
+    return any(getattr(type(c), hook) is not base for c in callbacks.callbacks if not isinstance(c, ignore))
+
+
 def first_non_finite(variables):
     """The path of the first variable holding a NaN or inf, or None."""
     for v in variables:

@@ -25,7 +25,7 @@ from tfmp import (
     xla,
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError, is_count
-from tfmp.run import Run, evaluated_nothing, runs_once
+from tfmp.run import Run
 from tfmp.steps import Steps
 
 VERBOSE = ("auto", 0, 1, 2)
@@ -262,50 +262,6 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
 _STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
 
 
-def evaluate(model, data, y=None, *, batch_size=None, sample_weight=None, steps=None, strategy=None, jit_compile=False):
-    """The model's compiled loss and metrics over `data`, under its strategy.
-
-    Args:
-        model: a compiled Keras model.
-        data: a `tf.data.Dataset` of global batches, or a callable `input_context ->
-            dataset` (then `steps` is required); or arrays as `tfmp.fit` takes them:
-            `x` here and `y` next, or a tuple `(x, y)` or `(x, y, sample_weight)`.
-        y: the targets, where `data` is the arrays `x`.
-        batch_size: the GLOBAL batch of arrays; default, as in `model.evaluate`: the arrays
-            in `steps` batches where it is given, else 32.
-        sample_weight: with arrays, each example's weight (as in `model.evaluate`).
-        steps: batches to evaluate; default: all.
-        strategy: default: the strategy the model was built under.
-        jit_compile: run each replica's forward pass with XLA (True, False or "auto").
-
-    Returns:
-        A dict of floats: `loss` and each metric.
-    """
-    strategy = strategy or model.distribute_strategy
-    tf_compat.own_collective_keys(strategy)
-    if not getattr(model, "compiled", False):
-        raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    _own_steps(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
-    xla.check(jit_compile)
-    data, _ = inputs.datasets(
-        data,
-        y,
-        strategy=strategy,
-        sample_weight=sample_weight,
-        batch_size=batch_size,
-        training=False,
-        steps=steps,
-        targets=inputs.needs_targets(model),
-    )
-    source = inputs.Input(data, strategy, steps, 1, "data", training=False)
-    compiled = prepare(model, strategy, source.element_spec)
-    xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
-    logs = compiled.evaluate(source.once(), steps)
-    if evaluated_nothing(model):
-        raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")
-    return logs
-
-
 _KERAS_ONLY = {
     "x": "give x as `data` (the first argument after the model)",
 }
@@ -320,7 +276,7 @@ def _keras_only(given):
         raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
 
 
-def _own_steps(model, step, replaced_by, instead):
+def refuse_own_step(model, step, replaced_by, instead):
     """UsageError where `model` overrides Keras' `step`, which `replaced_by` would silently skip."""
     if getattr(type(model), step) is not getattr(keras.Model, step):
         raise UsageError(
@@ -335,9 +291,9 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         raise UsageError(f"tfmp.fit takes a keras.Model, got {type(model).__name__}")
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise UsageError("tfmp.fit needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    _own_steps(model, "train_step", "tfmp.fit", "train it with model.fit")
+    refuse_own_step(model, "train_step", "tfmp.fit", "train it with model.fit")
     if kw["validation_data"] is not None or kw["validation_split"]:
-        _own_steps(model, "test_step", "tfmp.fit's validation", "validate it with model.evaluate")
+        refuse_own_step(model, "test_step", "tfmp.fit's validation", "validate it with model.evaluate")
     for name, value, low in (
         ("epochs", epochs, 0),
         ("initial_epoch", initial_epoch, 0),
@@ -371,8 +327,7 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
             "(checkpoint_dir resumes at the batch, with the input's position and the loss scale)"
         )
     xla.check(kw["jit_compile"])
-    if kw["verbose"] not in VERBOSE:
-        raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {kw['verbose']!r}")
+    check_verbose(kw["verbose"])
     built_under = model.distribute_strategy
     strategy = strategy or built_under
     variables = model.weights
@@ -383,3 +338,8 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         )
     tf_compat.own_collective_keys(strategy)
     return strategy
+
+
+def check_verbose(verbose):
+    if verbose not in VERBOSE:
+        raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {verbose!r}")

@@ -148,7 +148,9 @@ class Run:
     def _validate(self, epoch):
         """The validation pass: its val_ logs; none, and one warning a fit, where it saw no batch."""
         self.callbacks.on_test_begin()
-        logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks)
+        # Their running logs for a callback that reads test batches (in fit, Keras' progress bar does not).
+        batch_logs = tfmp_callbacks.overrides(self.callbacks, "on_test_batch_end", _BEHIND_SAFE)
+        logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks, batch_logs)
         if evaluated_nothing(self.model):
             if not self.validation_ran_out:
                 once = runs_once("validation_steps")

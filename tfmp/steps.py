@@ -9,6 +9,7 @@ gradient is non-finite, without advancing `iterations` or the learning-rate sche
 """
 
 import contextlib
+import itertools
 
 import keras
 import tensorflow as tf
@@ -379,22 +380,21 @@ class Steps:
     def _test_step(self, batch):
         self.strategy.run(self._replica_test, args=(batch,))
 
-    def evaluate(self, dataset, steps=None, callbacks=None):
-        """The model's loss and metrics over `dataset` (global batches, or a distributed
-        dataset), every example or `steps` batches. Resets the metrics first."""
+    def evaluate(self, dataset, steps, callbacks, batch_logs=False):
+        """The model's loss and metrics over `dataset` (global batches, or a distributed dataset), every example
+        or `steps` batches; metrics reset first. `callbacks` (a CallbackList) see each batch begin and end, with
+        the running logs where `batch_logs`; one that sets `model.stop_evaluating` ends it there, as in Keras."""
         self.model.reset_metrics()
+        self.model.stop_evaluating = False
         if isinstance(dataset, tf.data.Dataset):
-            if steps:
-                dataset = dataset.take(steps)
+            dataset = dataset.take(steps) if steps else dataset
             if self.strategy.num_replicas_in_sync > 1 or distribute.num_workers(self.strategy) > 1:
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
-        for i, batch in enumerate(dataset):
-            if steps and i >= steps:
-                break
-            if callbacks is not None:
-                callbacks.on_test_batch_begin(i)
+        for i, batch in enumerate(itertools.islice(dataset, steps or None)):  # Not a batch past `steps` read.
+            callbacks.on_test_batch_begin(i)
             if self._first_call(self._test, batch) is _FAILED:
                 self._test(batch)  # XLA failed to compile: the same batch without it.
-            if callbacks is not None:
-                callbacks.on_test_batch_end(i, None)
+            callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
+            if self.model.stop_evaluating:
+                break
         return self.results()

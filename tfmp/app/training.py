@@ -20,6 +20,7 @@ from tfmp import (
     decisions,
     distribute,
     doctor,
+    evaluation,
     files,
     float8,
     loop,
@@ -352,7 +353,9 @@ def _train_and_test(config, run, model, summary, out):
             verbose=verbose,
         )
         seconds = time.perf_counter() - begin
-        test = loop.evaluate(model, ds.test, strategy=strategy, jit_compile=history.params["jit_compile"])
+        test = evaluation.evaluate(
+            model, ds.test, strategy=strategy, jit_compile=history.params["jit_compile"], verbose=0
+        )
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
         raise TrainingError(
             f"the input data of {dataset!r} is corrupt ({first_line(e)}); prepare it again. The checkpoints are intact"

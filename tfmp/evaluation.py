@@ -1,0 +1,75 @@
+"""tfmp.evaluate: a compiled model's loss and metrics, as `model.evaluate` gives them, under its strategy."""
+
+import keras
+
+from tfmp import callbacks as tfmp_callbacks
+from tfmp import inputs, loop, tf_compat, xla
+from tfmp.errors import UsageError
+from tfmp.run import evaluated_nothing, runs_once
+
+
+def evaluate(
+    model,
+    data,
+    y=None,
+    *,
+    batch_size=None,
+    sample_weight=None,
+    steps=None,
+    callbacks=None,
+    verbose="auto",
+    strategy=None,
+    jit_compile=False,
+):
+    """The model's compiled loss and metrics over `data`, under its strategy.
+
+    Args:
+        model: a compiled Keras model.
+        data: a `tf.data.Dataset` of global batches, or a callable `input_context ->
+            dataset` (then `steps` is required); or arrays as `tfmp.fit` takes them:
+            `x` here and `y` next, or a tuple `(x, y)` or `(x, y, sample_weight)`.
+        y: the targets, where `data` is the arrays `x`.
+        batch_size: the GLOBAL batch of arrays; default, as in `model.evaluate`: the arrays
+            in `steps` batches where it is given, else 32.
+        sample_weight: with arrays, each example's weight (as in `model.evaluate`).
+        steps: batches to evaluate; default: all.
+        callbacks: Keras callbacks, called as `model.evaluate` calls them (test begin, each
+            batch with the running logs, end); one may end the pass early by setting
+            `model.stop_evaluating`.
+        verbose: "auto" or 1 (a progress bar, as in `model.evaluate`), 0 (silent) or 2.
+        strategy: default: the strategy the model was built under.
+        jit_compile: run each replica's forward pass with XLA (True, False or "auto").
+
+    Returns:
+        A dict of floats: `loss` and each metric.
+    """
+    strategy = strategy or model.distribute_strategy
+    tf_compat.own_collective_keys(strategy)
+    if not getattr(model, "compiled", False):
+        raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
+    loop.refuse_own_step(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
+    xla.check(jit_compile)
+    loop.check_verbose(verbose)
+    data, _ = inputs.datasets(
+        data,
+        y,
+        strategy=strategy,
+        sample_weight=sample_weight,
+        batch_size=batch_size,
+        training=False,
+        steps=steps,
+        targets=inputs.needs_targets(model),
+    )
+    source = inputs.Input(data, strategy, steps, 1, "data", training=False)
+    compiled = loop.prepare(model, strategy, source.element_spec)
+    xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
+    callbacks = keras.callbacks.CallbackList(
+        callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=source.steps, model=model
+    )
+    callbacks.on_test_begin()
+    batch_logs = tfmp_callbacks.overrides(callbacks, "on_test_batch_end", keras.callbacks.History)
+    logs = compiled.evaluate(source.once(), steps, callbacks, batch_logs)
+    if evaluated_nothing(model):
+        raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")
+    callbacks.on_test_end(logs)
+    return logs
