@@ -79,3 +79,32 @@ def test_settings_that_change_an_exact_resume_are_refused(tmp_path):
     checkpoint.check_settings(str(tmp_path), changed, path, force=True)
     with pytest.raises(UsageError, match="trained 2 epochs already, more than --epochs=1"):
         checkpoint.check_settings(str(tmp_path), {**settings, "epochs": 1}, path)
+
+
+def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores(tmp_path):
+    """EarlyStopping's counts, best value and best weights (bfloat16 ones too) come back from a
+    checkpoint; one written without callbacks' state (an older tfmp's) still restores."""
+    model = _model()
+    stopping = keras.callbacks.EarlyStopping(patience=3, restore_best_weights=True)
+    stopping.wait, stopping.best, stopping.best_epoch = 2, np.float32(0.25), 4
+    bfloat16 = tf.bfloat16.as_numpy_dtype
+    stopping.best_weights = [np.arange(6, dtype=np.float32).reshape(3, 2), np.array([1.5, -2], bfloat16)]
+    plateau = keras.callbacks.ReduceLROnPlateau()
+    plateau.wait, plateau.cooldown_counter, plateau.best = 1, 3, float("inf")
+    saver = checkpoint.Checkpointer(str(tmp_path / "new"), model, model.optimizer)
+    saver.callbacks.apply([stopping, keras.callbacks.History(), plateau])
+    saver.callbacks.stopped = 5
+    saver.save(step=3, epoch=6)
+    restorer = checkpoint.Checkpointer(str(tmp_path / "new"), model, model.optimizer)
+    assert restorer.restore() == 3
+    fresh, fresh_plateau = keras.callbacks.EarlyStopping(restore_best_weights=True), keras.callbacks.ReduceLROnPlateau()
+    assert restorer.callbacks.apply([fresh, fresh_plateau]) == 5
+    assert (fresh.wait, fresh.best, fresh.best_epoch, fresh.stopped_epoch) == (2, 0.25, 4, 0)
+    for a, b in zip(fresh.best_weights, stopping.best_weights, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert (fresh_plateau.wait, fresh_plateau.cooldown_counter, fresh_plateau.best) == (1, 3, float("inf"))
+    older = checkpoint.Checkpointer(str(tmp_path / "old"), model, model.optimizer)
+    older.manager.save(checkpoint_number=2)  # What save wrote before callbacks' state was kept.
+    again = checkpoint.Checkpointer(str(tmp_path / "old"), model, model.optimizer)
+    assert again.restore() == 0 and again.callbacks.apply([keras.callbacks.EarlyStopping()]) is None

@@ -224,3 +224,49 @@ def test_evaluate_shows_progress_as_model_evaluate_does(capsys):
     assert capsys.readouterr().out == ""
     with pytest.raises(UsageError, match="verbose must be one of auto, 0, 1, 2, got 3"):
         tfmp.evaluate(model, regression_data(), verbose=3)
+
+
+class _Killed(keras.callbacks.Callback):
+    """Ends the process's run at its `at`-th batch, saving nothing, as kill -9 would."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.batches = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+        if self.batches == self.at:
+            raise RuntimeError("killed")
+
+
+@pytest.mark.parametrize("killed_at", [76, 92])
+def test_early_stopping_and_reduce_lr_on_plateau_resume_as_the_unbroken_run_goes_on(tmp_path, caplog, killed_at):
+    """Killed while their patience counts run, a resumed run ends on the unbroken run's epoch,
+    learning rate and (restored best) weights; rerun after the early stop, it trains no further."""
+    x, y = regression_arrays()
+    validation = (x[:64], y[:64] * 1.3)  # Its loss stops falling while the training loss falls.
+
+    def run(directory, *extra):
+        model = regression()
+        stopping = [
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True),
+        ]
+        history = tfmp.fit(
+            model, x, y, validation_data=validation, epochs=30, callbacks=[*stopping, *extra], verbose=0,
+            checkpoint_dir=str(directory), checkpoint_every=4,
+        )  # fmt: skip
+        return model, history
+
+    unbroken, expected = run(tmp_path / "unbroken")
+    assert 8 < len(expected.epoch) < 30 and len(set(expected.history["learning_rate"])) > 1
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path / "killed", _Killed(killed_at))
+    resumed, history = run(tmp_path / "killed")
+    assert history.epoch == expected.epoch[killed_at // 8 :]
+    assert history.history["learning_rate"] == expected.history["learning_rate"][killed_at // 8 :]
+    assert_same(weights(resumed), weights(unbroken), atol=0)
+    with caplog.at_level("WARNING"):
+        rerun, history = run(tmp_path / "killed")
+    assert history.epoch == [] and any("nothing left to train there" in r.getMessage() for r in caplog.records)
+    assert_same(weights(rerun), weights(unbroken), atol=0)

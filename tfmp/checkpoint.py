@@ -7,12 +7,13 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfmp import files, keras_compat
+from tfmp import callback_state, files, keras_compat
 from tfmp.errors import TrainingError, UsageError, first_line
 
 
 class Checkpointer:
-    """Saves and restores model, optimizer (loss-scale state included), step and epoch.
+    """Saves and restores model, optimizer (loss-scale state included), step, epoch and the
+    state of Keras' stateful callbacks (`tfmp.callback_state`).
 
     TensorFlow writes each checkpoint's files under temporary names and renames them,
     then rewrites the `checkpoint` state file atomically: an interrupted save never
@@ -49,6 +50,7 @@ class Checkpointer:
             **({"optimizers": parts} if parts else {}),
         )
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
+        self.callbacks = callback_state.CallbackState()  # In the checkpoint from the first save or restore.
 
     def restore(self):
         """Restores the latest checkpoint, if any. Returns the step restored (0 for none).
@@ -60,6 +62,8 @@ class Checkpointer:
         if not path:
             return 0
         try:
+            if any(name == callback_state.KEY for name, _ in tf.train.list_variables(path)):
+                self.checkpoint.callbacks = self.callbacks  # (A checkpoint of an older tfmp has no callbacks' state.)
             self.checkpoint.restore(path).assert_existing_objects_matched()
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             first = first_line(e)
@@ -84,6 +88,7 @@ class Checkpointer:
         self.step.assign(step)
         self.epoch.assign(epoch)
         self.position.assign(step if position is None else position)
+        self.checkpoint.callbacks = self.callbacks
         try:
             return self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:

@@ -95,6 +95,11 @@ class Run:
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
         model.stop_training = False
         self.callbacks.on_train_begin()
+        ended = self.saver.callbacks.apply(self.callbacks.callbacks) if self.saver is not None else None
+        if ended is not None:  # A callback ended the run checkpointed (EarlyStopping): it trains no further.
+            where = self.saver.restore_from
+            logging.warning("a callback ended the run in %s at epoch %d: nothing left to train there", where, ended + 1)
+            model.stop_training = True
         restored = keras_compat.backup_epoch(model)
         if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
             epoch, position = restored, restored * (source.period or 0)
@@ -125,10 +130,12 @@ class Run:
                 epoch_logs = dict(logs or steps.results())
                 if self.val_input is not None and validates(epoch, validation_freq):
                     epoch_logs.update(self._validate(epoch))
-                epoch, offset = epoch + 1, 0
-                if self.saver is not None and not model.stop_training:
-                    self._save(epoch, epoch * source.period if source.streamed else 0)
+                epoch, offset, stopped = epoch + 1, 0, model.stop_training  # Stopped during the epoch: no save.
                 self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
+                if self.saver is not None and not stopped:  # After the callbacks: what they changed (the learning
+                    # rate), their state, and whether one ended the run.
+                    self.saver.callbacks.stopped = epoch - 1 if model.stop_training else None
+                    self._save(epoch, epoch * source.period if source.streamed else 0)
                 if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
                     raise stop.error(self.step, self.saver.directory)
         if self.monitor is not None:
