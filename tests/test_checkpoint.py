@@ -108,3 +108,19 @@ def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores
     older.manager.save(checkpoint_number=2)  # What save wrote before callbacks' state was kept.
     again = checkpoint.Checkpointer(str(tmp_path / "old"), model, model.optimizer)
     assert again.restore() == 0 and again.callbacks.apply([keras.callbacks.EarlyStopping()]) is None
+
+
+def test_a_callback_state_json_cannot_hold_is_left_out_with_a_warning(tmp_path, caplog):
+    model = _model()
+    odd = keras.callbacks.EarlyStopping()
+    odd.best = object()  # A subclass might keep anything there.
+    saver = checkpoint.Checkpointer(str(tmp_path), model, model.optimizer)
+    saver.callbacks.apply([odd, keras.callbacks.ReduceLROnPlateau()])
+    with caplog.at_level("WARNING"):
+        saver.save(step=1, epoch=0)
+    assert any("0:EarlyStopping's state is not checkpointed" in r.getMessage() for r in caplog.records)
+    restorer = checkpoint.Checkpointer(str(tmp_path), model, model.optimizer)
+    fresh = keras.callbacks.EarlyStopping()
+    fresh.on_train_begin()
+    assert restorer.restore() == 1 and restorer.callbacks.apply([fresh, keras.callbacks.ReduceLROnPlateau()]) is None
+    assert fresh.best is None and fresh.wait == 0

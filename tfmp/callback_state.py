@@ -48,6 +48,11 @@ class CallbackState(tf.train.experimental.PythonState):
         for key, (callback, fields) in _stateful(self.callbacks).items():
             values = {field: _plain(getattr(callback, field, None)) for field in fields}
             weights = values.pop("best_weights", None)
+            try:
+                json.dumps(values)
+            except (TypeError, ValueError) as e:  # A subclass keeping other values there: it starts afresh.
+                logging.warning("callback %s's state is not checkpointed (%s): a resumed run starts it afresh", key, e)
+                continue
             if weights is not None:
                 arrays = [np.ascontiguousarray(w) for w in weights]
                 values["best_weights"] = [[a.dtype.name, list(a.shape)] for a in arrays]

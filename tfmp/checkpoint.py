@@ -60,11 +60,13 @@ class Checkpointer:
         """
         path = tf.train.latest_checkpoint(self.restore_from)
         if not path:
+            self.checkpoint.callbacks = self.callbacks
             return 0
         try:
             if any(name == callback_state.KEY for name, _ in tf.train.list_variables(path)):
                 self.checkpoint.callbacks = self.callbacks  # (A checkpoint of an older tfmp has no callbacks' state.)
             self.checkpoint.restore(path).assert_existing_objects_matched()
+            self.checkpoint.callbacks = self.callbacks  # In every checkpoint from here.
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             first = first_line(e)
             state = tf.train.get_checkpoint_state(self.restore_from)
