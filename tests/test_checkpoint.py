@@ -98,7 +98,7 @@ def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores
     restorer = checkpoint.Checkpointer(str(tmp_path / "new"), model, model.optimizer)
     assert restorer.restore() == 3
     fresh, fresh_plateau = keras.callbacks.EarlyStopping(restore_best_weights=True), keras.callbacks.ReduceLROnPlateau()
-    assert restorer.callbacks.apply([fresh, fresh_plateau]) == 5
+    assert restorer.callbacks.apply([fresh_plateau, keras.callbacks.TerminateOnNaN(), fresh]) == 5  # Reordered.
     assert (fresh.wait, fresh.best, fresh.best_epoch, fresh.stopped_epoch) == (2, 0.25, 4, 0)
     for a, b in zip(fresh.best_weights, stopping.best_weights, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -118,7 +118,7 @@ def test_a_callback_state_json_cannot_hold_is_left_out_with_a_warning(tmp_path, 
     saver.callbacks.apply([odd, keras.callbacks.ReduceLROnPlateau()])
     with caplog.at_level("WARNING"):
         saver.save(step=1, epoch=0)
-    assert any("0:EarlyStopping's state is not checkpointed" in r.getMessage() for r in caplog.records)
+    assert any("EarlyStopping:0's state is not checkpointed" in r.getMessage() for r in caplog.records)
     restorer = checkpoint.Checkpointer(str(tmp_path), model, model.optimizer)
     fresh = keras.callbacks.EarlyStopping()
     fresh.on_train_begin()

@@ -20,13 +20,14 @@ _FIELDS = (
 
 
 def _stateful(callbacks):
-    """{key: (callback, its fields)} for the callbacks with state: the key is the type's name and its place
-    among them, so that the same list of callbacks on a rerun finds its own state."""
+    """{key: (callback, its fields)} for the callbacks with state: the key is the type's name and the count of
+    that type before it (EarlyStopping:0), so that a rerun's callbacks find their own state, added ones too."""
     found = {}
     for callback in callbacks:
         fields = next((f for kind, f in _FIELDS if isinstance(callback, kind)), None)
         if fields is not None:
-            found[f"{len(found)}:{type(callback).__name__}"] = callback, fields
+            name = type(callback).__name__
+            found[f"{name}:{sum(key.startswith(name + ':') for key in found)}"] = callback, fields
     return found
 
 
