@@ -98,7 +98,12 @@ class Run:
         ended = self.saver.callbacks.apply(self.callbacks.callbacks) if self.saver is not None else None
         if ended is not None:  # A callback ended the run checkpointed (EarlyStopping): it trains no further.
             where = self.saver.restore_from
-            logging.warning("a callback ended the run in %s at epoch %d: nothing left to train there", where, ended + 1)
+            logging.warning(
+                "a callback ended the run in %s at epoch %d: nothing left to train there (another checkpoint_dir "
+                "trains anew)",
+                where,
+                ended + 1,
+            )
             model.stop_training = True
         restored = keras_compat.backup_epoch(model)
         if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
