@@ -239,15 +239,18 @@ class _Killed(keras.callbacks.Callback):
             raise RuntimeError("killed")
 
 
-@pytest.mark.parametrize("killed_at", [76, 92])
-def test_early_stopping_and_reduce_lr_on_plateau_resume_as_the_unbroken_run_goes_on(tmp_path, caplog, killed_at):
+@pytest.mark.parametrize(("where", "killed_at"), [("one_device", 76), ("one_device", 92), ("mirrored", 92)])
+def test_early_stopping_and_reduce_lr_on_plateau_resume_as_the_unbroken_run_goes_on(
+    tmp_path, caplog, request, where, killed_at
+):
     """Killed while their patience counts run, a resumed run ends on the unbroken run's epoch,
     learning rate and (restored best) weights; rerun after the early stop, it trains no further."""
     x, y = regression_arrays()
     validation = (x[:64], y[:64] * 1.3)  # Its loss stops falling while the training loss falls.
+    strategy = request.getfixturevalue("mirrored") if where == "mirrored" else None
 
     def run(directory, *extra):
-        model = regression()
+        model = regression(strategy)
         stopping = [
             keras.callbacks.ReduceLROnPlateau(monitor="val_loss", patience=1, factor=0.5),
             keras.callbacks.EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True),
