@@ -104,6 +104,10 @@ def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
     assert (fresh_plateau.wait, fresh_plateau.cooldown_counter, fresh_plateau.best) == (1, 3, float("inf"))
+    other_value = keras.callbacks.EarlyStopping(monitor="loss")
+    other_value.on_train_begin()
+    restorer.callbacks.apply([other_value])
+    assert other_value.wait == 0 and other_value.best is None  # The state was val_loss's.
     older = checkpoint.Checkpointer(str(tmp_path / "old"), model, model.optimizer)
     older.manager.save(checkpoint_number=2)  # What save wrote before callbacks' state was kept.
     again = checkpoint.Checkpointer(str(tmp_path / "old"), model, model.optimizer)
@@ -118,7 +122,7 @@ def test_a_callback_state_json_cannot_hold_is_left_out_with_a_warning(tmp_path, 
     saver.callbacks.apply([odd, keras.callbacks.ReduceLROnPlateau()])
     with caplog.at_level("WARNING"):
         saver.save(step=1, epoch=0)
-    assert any("EarlyStopping:0's state is not checkpointed" in r.getMessage() for r in caplog.records)
+    assert any("EarlyStopping(val_loss):0's state is not checkpointed" in r.getMessage() for r in caplog.records)
     restorer = checkpoint.Checkpointer(str(tmp_path), model, model.optimizer)
     fresh = keras.callbacks.EarlyStopping()
     fresh.on_train_begin()

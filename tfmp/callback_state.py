@@ -20,14 +20,15 @@ _FIELDS = (
 
 
 def _stateful(callbacks):
-    """{key: (callback, its fields)} for the callbacks with state: the key is the type's name and the count of
-    that type before it (EarlyStopping:0), so that a rerun's callbacks find their own state, added ones too."""
+    """{key: (callback, its fields)} for the callbacks with state: the key is the type's name, what it monitors
+    and the count of such callbacks before it (`EarlyStopping(val_loss):0`), so that a rerun's callbacks find
+    their own state, reordered or added to, and one monitoring another value does not take it."""
     found = {}
     for callback in callbacks:
         fields = next((f for kind, f in _FIELDS if isinstance(callback, kind)), None)
         if fields is not None:
-            name = type(callback).__name__
-            found[f"{name}:{sum(key.startswith(name + ':') for key in found)}"] = callback, fields
+            name = f"{type(callback).__name__}({getattr(callback, 'monitor', '')}):"
+            found[f"{name}{sum(key.startswith(name) for key in found)}"] = callback, fields
     return found
 
 
