@@ -273,3 +273,25 @@ def test_early_stopping_and_reduce_lr_on_plateau_resume_as_the_unbroken_run_goes
         rerun, history = run(tmp_path / "killed")
     assert history.epoch == [] and any("nothing left to train there" in r.getMessage() for r in caplog.records)
     assert_same(weights(rerun), weights(unbroken), atol=0)
+
+
+def test_a_learning_rate_scheduler_resumed_within_an_epoch_steps_the_rate_once(tmp_path):
+    """The schedule halves the rate at each epoch's begin, which ran before the checkpoint
+    within epoch 3: resumed there, the rate is halved once, as in the unbroken run."""
+    x, y = regression_arrays()
+
+    def run(directory, *extra):
+        model = regression()
+        halving = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5)
+        history = tfmp.fit(
+            model, x, y, epochs=5, callbacks=[halving, *extra], verbose=0, checkpoint_dir=str(directory),
+            checkpoint_every=4,
+        )  # fmt: skip
+        return model, history
+
+    unbroken, expected = run(tmp_path / "unbroken")
+    with pytest.raises(RuntimeError, match="killed"):
+        run(tmp_path / "killed", _Killed(22))  # Its last checkpoint: batch 20, 4 batches into epoch 3.
+    resumed, history = run(tmp_path / "killed")
+    assert history.history["learning_rate"] == expected.history["learning_rate"][2:]
+    assert_same(weights(resumed), weights(unbroken), atol=0)

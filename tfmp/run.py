@@ -53,6 +53,12 @@ _HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_ba
 _BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
 
 
+def _learning_rate(optimizer):
+    """The variable holding `optimizer`'s learning rate, or None (a schedule, a MultiOptimizer)."""
+    rate = keras_compat.learning_rate(optimizer)
+    return rate if isinstance(rate, keras.Variable) else None
+
+
 class Run:
     """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
 
@@ -118,7 +124,11 @@ class Run:
         with guards.signals_set(stop, self.saver is not None and handler is None):
             while epoch < epochs and not model.stop_training:
                 model.reset_metrics()
+                held = _learning_rate(steps.optimizer) if offset else None  # Resumed within the epoch.
+                kept = None if held is None else held.numpy()
                 self.callbacks.on_epoch_begin(epoch)
+                if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
+                    held.assign(kept)  # that halves the rate each epoch must not halve it twice.
                 if not source.streamed:
                     iterator = source.epoch(offset)
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
