@@ -269,6 +269,7 @@ def test_early_stopping_and_reduce_lr_on_plateau_resume_as_the_unbroken_run_goes
     resumed, history = run(tmp_path / "killed")
     assert history.epoch == expected.epoch[killed_at // 8 :]
     assert history.history["learning_rate"] == expected.history["learning_rate"][killed_at // 8 :]
+    assert history.history["loss"] == expected.history["loss"][killed_at // 8 :]  # The resumed epoch's over all.
     assert_same(weights(resumed), weights(unbroken), atol=0)
     with caplog.at_level("WARNING"):
         rerun, history = run(tmp_path / "killed")
@@ -295,4 +296,5 @@ def test_a_learning_rate_scheduler_resumed_within_an_epoch_steps_the_rate_once(t
         run(tmp_path / "killed", _Killed(22))  # Its last checkpoint: batch 20, 4 batches into epoch 3.
     resumed, history = run(tmp_path / "killed")
     assert history.history["learning_rate"] == expected.history["learning_rate"][2:]
+    assert history.history["loss"] == expected.history["loss"][2:]  # Epoch 3's mean over its 8 batches.
     assert_same(weights(resumed), weights(unbroken), atol=0)

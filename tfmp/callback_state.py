@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-KEY = "callbacks/.ATTRIBUTES/py_state"  # The state's name in a checkpoint (older ones have none).
 _FIELDS = (
     (keras.callbacks.EarlyStopping, ("wait", "stopped_epoch", "best", "best_epoch", "best_weights")),
     (keras.callbacks.ReduceLROnPlateau, ("wait", "cooldown_counter", "best")),

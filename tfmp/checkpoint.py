@@ -50,7 +50,18 @@ class Checkpointer:
             **({"optimizers": parts} if parts else {}),
         )
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
-        self.callbacks = callback_state.CallbackState()  # In the checkpoint from the first save or restore.
+        self.callbacks = callback_state.CallbackState()
+        # In the checkpoint from the first save or restore on (`_attach`; an older tfmp's checkpoints lack them):
+        # the callbacks' state, and the metrics' running sums, so that a run resumed within an epoch logs that
+        # epoch's means over all its batches.
+        self._optional = {"callbacks": self.callbacks, "metrics": [v.value for v in model.metrics_variables]}
+
+    def _attach(self, path=None):
+        """Adds to the checkpoint what `_optional` holds: all of it, or where `path` is a checkpoint, what it has."""
+        held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)} if path else self._optional
+        for name, value in self._optional.items():
+            if name in held:
+                setattr(self.checkpoint, name, value)
 
     def restore(self):
         """Restores the latest checkpoint, if any. Returns the step restored (0 for none).
@@ -60,13 +71,12 @@ class Checkpointer:
         """
         path = tf.train.latest_checkpoint(self.restore_from)
         if not path:
-            self.checkpoint.callbacks = self.callbacks
+            self._attach()
             return 0
         try:
-            if any(name == callback_state.KEY for name, _ in tf.train.list_variables(path)):
-                self.checkpoint.callbacks = self.callbacks  # (A checkpoint of an older tfmp has no callbacks' state.)
+            self._attach(path)
             self.checkpoint.restore(path).assert_existing_objects_matched()
-            self.checkpoint.callbacks = self.callbacks  # In every checkpoint from here.
+            self._attach()  # In every checkpoint from here.
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             first = first_line(e)
             state = tf.train.get_checkpoint_state(self.restore_from)
@@ -90,7 +100,7 @@ class Checkpointer:
         self.step.assign(step)
         self.epoch.assign(epoch)
         self.position.assign(step if position is None else position)
-        self.checkpoint.callbacks = self.callbacks
+        self._attach()
         try:
             return self.manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:

@@ -213,6 +213,7 @@ def fit(
         if checkpoint_dir:
             target = checkpoint_dir if chief else tempfile.mkdtemp(prefix="tfmp-worker-")
             saver = checkpoint.Checkpointer(target, model, optimizer, restore_from=checkpoint_dir)
+            model.reset_metrics()  # What a checkpoint without them leaves (an older tfmp's).
             if saver.restore():
                 initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
         run = Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)

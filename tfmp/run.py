@@ -123,8 +123,9 @@ class Run:
         epoch_logs = {}
         with guards.signals_set(stop, self.saver is not None and handler is None):
             while epoch < epochs and not model.stop_training:
-                model.reset_metrics()
-                held = _learning_rate(steps.optimizer) if offset else None  # Resumed within the epoch.
+                if not offset:  # Resumed within the epoch: its running means go on from the checkpoint's.
+                    model.reset_metrics()
+                held = _learning_rate(steps.optimizer) if offset else None
                 kept = None if held is None else held.numpy()
                 self.callbacks.on_epoch_begin(epoch)
                 if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
