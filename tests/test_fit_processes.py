@@ -1,6 +1,7 @@
 """tfmp.fit on a user's own script in separate processes: exact resume after kill -9, and
 two worker processes ending with the weights of one process."""
 
+import json
 import os
 import signal
 import subprocess
@@ -160,3 +161,8 @@ def test_bfloat16_weights_on_two_workers_kill_9_then_resume_match_unbroken(tmp_p
             np.testing.assert_array_equal(a, b)
     for a, b in zip(load(tmp_path / "unbroken1.npz"), unbroken, strict=True):
         np.testing.assert_array_equal(a, b)
+    # The epoch it resumed in logs its loss over all its batches (the running sums were checkpointed).
+    history = lambda run: json.loads((tmp_path / f"{run}0.npz.history.json").read_text())  # noqa: E731
+    losses, expected = history("broken")["loss"], history("unbroken")["loss"]
+    # Not to the bit: the sums restored are split evenly across the workers, then added to in another order.
+    assert losses and losses == pytest.approx(expected[-len(losses) :], rel=1e-6)

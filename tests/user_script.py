@@ -10,8 +10,9 @@ USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(m
 batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
 on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp).
 
-OUT may hold `{worker}`: the worker's index (0 without TF_CONFIG), for jobs whose workers
-all get the same arguments (python -m tfmp.launch).
+The History of the epochs it trained goes to OUT.history.json. OUT may hold `{worker}`: the
+worker's index (0 without TF_CONFIG), for jobs whose workers all get the same arguments
+(python -m tfmp.launch).
 
 Under TF_CONFIG it is one worker of a cluster (`tfmp.get_strategy("auto")` picks
 multi_worker). The optional sleep per batch gives a test time to kill it mid-run.
@@ -104,7 +105,7 @@ if __name__ == "__main__":
     else:  # Validation of unknown length (filter): fine on several workers too.
         given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
     try:
-        tfmp.fit(
+        history = tfmp.fit(
             model,
             **given,
             epochs=3,
@@ -123,5 +124,7 @@ if __name__ == "__main__":
         print(f"lost a peer: {e}", file=sys.stderr)
         sys.exit(76)
     np.savez(out, *[np.asarray(w.numpy(), np.float32) if w.dtype == "bfloat16" else w.numpy() for w in model.weights])
+    with open(out + ".history.json", "w") as f:  # The epochs this process trained.
+        json.dump(history.history, f)
     if policy == "float8":
         np.savez(out + ".float8.npz", *[np.asarray(v.value) for v in model.weights if tfmp.float8.is_state(v)])
