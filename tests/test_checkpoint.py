@@ -82,8 +82,9 @@ def test_settings_that_change_an_exact_resume_are_refused(tmp_path):
 
 
 def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores(tmp_path):
-    """EarlyStopping's counts, best value and best weights (bfloat16 ones too) come back from a
-    checkpoint; one written without callbacks' state (an older tfmp's) still restores."""
+    """EarlyStopping's counts, best value and best weights (bfloat16 ones too), ReduceLROnPlateau's
+    and ModelCheckpoint's state come back from a checkpoint; one written without callbacks'
+    state (an older tfmp's) still restores."""
     model = _model()
     stopping = keras.callbacks.EarlyStopping(patience=3, restore_best_weights=True)
     stopping.wait, stopping.best, stopping.best_epoch = 2, np.float32(0.25), 4
@@ -91,19 +92,23 @@ def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores
     stopping.best_weights = [np.arange(6, dtype=np.float32).reshape(3, 2), np.array([1.5, -2], bfloat16)]
     plateau = keras.callbacks.ReduceLROnPlateau()
     plateau.wait, plateau.cooldown_counter, plateau.best = 1, 3, float("inf")
+    best_only = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True)
+    best_only.best = 0.5
     saver = checkpoint.Checkpointer(str(tmp_path / "new"), model, model.optimizer)
-    saver.callbacks.apply([stopping, keras.callbacks.History(), plateau])
+    saver.callbacks.apply([stopping, keras.callbacks.History(), plateau, best_only])
     saver.callbacks.stopped = 5
     saver.save(step=3, epoch=6)
     restorer = checkpoint.Checkpointer(str(tmp_path / "new"), model, model.optimizer)
     assert restorer.restore() == 3
     fresh, fresh_plateau = keras.callbacks.EarlyStopping(restore_best_weights=True), keras.callbacks.ReduceLROnPlateau()
-    assert restorer.callbacks.apply([fresh_plateau, keras.callbacks.TerminateOnNaN(), fresh]) == 5  # Reordered.
+    fresh_best = keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"), save_best_only=True)
+    assert restorer.callbacks.apply([fresh_plateau, keras.callbacks.TerminateOnNaN(), fresh, fresh_best]) == 5
     assert (fresh.wait, fresh.best, fresh.best_epoch, fresh.stopped_epoch) == (2, 0.25, 4, 0)
     for a, b in zip(fresh.best_weights, stopping.best_weights, strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
     assert (fresh_plateau.wait, fresh_plateau.cooldown_counter, fresh_plateau.best) == (1, 3, float("inf"))
+    assert fresh_best.best == 0.5  # (The callbacks restored in another order than saved.)
     other_value = keras.callbacks.EarlyStopping(monitor="loss")
     other_value.on_train_begin()
     restorer.callbacks.apply([other_value])
