@@ -298,3 +298,22 @@ def test_a_learning_rate_scheduler_resumed_within_an_epoch_steps_the_rate_once(t
     assert history.history["learning_rate"] == expected.history["learning_rate"][2:]
     assert history.history["loss"] == expected.history["loss"][2:]  # Epoch 3's mean over its 8 batches.
     assert_same(weights(resumed), weights(unbroken), atol=0)
+
+
+def test_a_resumed_run_adds_its_rows_to_the_csv_logger_file_of_the_run_before(tmp_path):
+    x, y = regression_arrays()
+
+    def run(name, *extra):
+        logger = keras.callbacks.CSVLogger(str(tmp_path / f"{name}.csv"))
+        tfmp.fit(
+            regression(), x, y, epochs=4, callbacks=[logger, *extra], verbose=0, checkpoint_dir=str(tmp_path / name),
+            checkpoint_every=4,
+        )  # fmt: skip
+        assert not logger.append
+
+    run("unbroken")
+    with pytest.raises(RuntimeError, match="killed"):
+        run("killed", _Killed(22))  # Rows for epochs 1 and 2 written; resumed 4 batches into epoch 3.
+    run("killed")
+    expected = (tmp_path / "unbroken.csv").read_text()
+    assert (tmp_path / "killed.csv").read_text() == expected and expected.count("\n") == 5

@@ -100,7 +100,13 @@ class Run:
         model, steps, source = self.model, self.steps, self.input
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
         model.stop_training = False
+        # Resumed, a CSVLogger adds the epochs' rows to those of the run before, which its on_train_begin would wipe.
+        rows = [c for c in self.callbacks.callbacks if isinstance(c, keras.callbacks.CSVLogger) and not c.append]
+        for csv_logger in rows if step else ():
+            csv_logger.append = True
         self.callbacks.on_train_begin()
+        for csv_logger in rows:
+            csv_logger.append = False  # As it was given.
         ended = self.saver.callbacks.apply(self.callbacks.callbacks) if self.saver is not None else None
         if ended is not None:  # A callback ended the run checkpointed (EarlyStopping): it trains no further.
             where = self.saver.restore_from
