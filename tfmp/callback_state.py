@@ -2,7 +2,8 @@
 the unbroken one would. EarlyStopping's patience count, best value, best epoch and best
 weights; ReduceLROnPlateau's patience and cooldown counts and best value; ModelCheckpoint's
 best value; and the epoch at which a callback ended the run, if one did (a rerun then trains
-no further). Other callbacks start afresh on a resumed run, as under `model.fit`."""
+no further). Other callbacks start afresh on a resumed run, as under `model.fit`'s
+BackupAndRestore (a CSVLogger appending to its file: `tfmp.run`)."""
 
 import json
 
