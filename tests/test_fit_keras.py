@@ -317,3 +317,13 @@ def test_a_resumed_run_adds_its_rows_to_the_csv_logger_file_of_the_run_before(tm
     run("killed")
     expected = (tmp_path / "unbroken.csv").read_text()
     assert (tmp_path / "killed.csv").read_text() == expected and expected.count("\n") == 5
+
+
+def test_a_metric_added_since_the_checkpoint_does_not_stop_the_run_resuming(tmp_path):
+    """The checkpoints hold the metrics' running sums by name: one added on the rerun starts at
+    zero, the others are restored, and the run resumes (a checkpoint is not refused for it)."""
+    x, y = regression_arrays()
+    tfmp.fit(regression(), x, y, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    model = regression()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae", "mse"])
+    assert tfmp.fit(model, x, y, epochs=2, verbose=0, checkpoint_dir=str(tmp_path)).epoch == [1]

@@ -51,17 +51,17 @@ class Checkpointer:
         )
         self.manager = tf.train.CheckpointManager(self.checkpoint, directory, max_to_keep=max_to_keep)
         self.callbacks = callback_state.CallbackState()
-        # In the checkpoint from the first save or restore on (`_attach`; an older tfmp's checkpoints lack them):
-        # the callbacks' state, and the metrics' running sums, so that a run resumed within an epoch logs that
-        # epoch's means over all its batches.
-        self._optional = {"callbacks": self.callbacks, "metrics": [v.value for v in model.metrics_variables]}
+        # The metrics' running sums, so that a run resumed within an epoch logs its means over all its batches;
+        # by name, so that a metric added or removed since the checkpoint does not stop the run resuming.
+        metrics = {}
+        for v in model.metrics_variables:
+            metrics[f"{v.path}:{sum(key.startswith(v.path + ':') for key in metrics)}"] = v.value
+        # In the checkpoint from the first save or restore on (an older tfmp's checkpoints lack them).
+        self._optional = {"callbacks": self.callbacks, "metrics": metrics}
 
-    def _attach(self, path=None):
-        """Adds to the checkpoint what `_optional` holds: all of it, or where `path` is a checkpoint, what it has."""
-        held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)} if path else self._optional
+    def _attach(self):
         for name, value in self._optional.items():
-            if name in held:
-                setattr(self.checkpoint, name, value)
+            setattr(self.checkpoint, name, value)
 
     def restore(self):
         """Restores the latest checkpoint, if any. Returns the step restored (0 for none).
@@ -74,8 +74,12 @@ class Checkpointer:
             self._attach()
             return 0
         try:
-            self._attach(path)
+            held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
+            if "callbacks" in held:
+                self.checkpoint.callbacks = self.callbacks
             self.checkpoint.restore(path).assert_existing_objects_matched()
+            if "metrics" in held:  # Those it has; one added since starts at zero.
+                tf.train.Checkpoint(metrics=self._optional["metrics"]).restore(path).expect_partial()
             self._attach()  # In every checkpoint from here.
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             first = first_line(e)
