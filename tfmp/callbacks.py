@@ -68,9 +68,9 @@ def peak_memory_mb():
 
 
 def overrides(callbacks, hook, ignore=()):
-    """Whether a callback in the `CallbackList` `callbacks`, not one of the types `ignore`, has a `hook` of its own."""
+    """Whether one of `callbacks` (Keras callbacks), not of the types `ignore`, has a `hook` of its own."""
     base = getattr(keras.callbacks.Callback, hook)
-    return any(getattr(type(c), hook) is not base for c in callbacks.callbacks if not isinstance(c, ignore))
+    return any(getattr(type(c), hook) is not base for c in callbacks if not isinstance(c, ignore))
 
 
 def first_non_finite(variables):

@@ -67,7 +67,7 @@ def evaluate(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=source.steps, model=model
     )
     callbacks.on_test_begin()
-    batch_logs = tfmp_callbacks.overrides(callbacks, "on_test_batch_end", keras.callbacks.History)
+    batch_logs = tfmp_callbacks.overrides(callbacks.callbacks, "on_test_batch_end", keras.callbacks.History)
     logs = compiled.evaluate(source.once(), steps, callbacks, batch_logs)
     if evaluated_nothing(model):
         raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")

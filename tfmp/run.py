@@ -178,7 +178,7 @@ class Run:
         """The validation pass: its val_ logs; none, and one warning a fit, where it saw no batch."""
         self.callbacks.on_test_begin()
         # Their running logs for a callback that reads test batches (in fit, Keras' progress bar does not).
-        batch_logs = tfmp_callbacks.overrides(self.callbacks, "on_test_batch_end", _BEHIND_SAFE)
+        batch_logs = tfmp_callbacks.overrides(self.callbacks.callbacks, "on_test_batch_end", _BEHIND_SAFE)
         logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks, batch_logs)
         if evaluated_nothing(self.model):
             if not self.validation_ran_out:
@@ -252,12 +252,8 @@ class Run:
         as Keras lets a callback say)."""
         if handler is not None:
             return False
-        for callback in self.callbacks.callbacks:
-            if getattr(callback, "async_safe", False) or isinstance(callback, _BEHIND_SAFE):
-                continue
-            if any(getattr(type(callback), hook) is not getattr(keras.callbacks.Callback, hook) for hook in _HOOKS):
-                return False
-        return True
+        unsafe = [c for c in self.callbacks.callbacks if not getattr(c, "async_safe", False)]
+        return not any(tfmp_callbacks.overrides(unsafe, hook, _BEHIND_SAFE) for hook in _HOOKS)
 
     def _finish(self, update):
         """An update's end: one read of its outputs, the guards, the monitor, the callbacks."""
