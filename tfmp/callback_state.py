@@ -71,10 +71,9 @@ class CallbackState(tf.train.experimental.PythonState):
             if values.get("best_weights") is not None:
                 arrays = []
                 for dtype, shape in values["best_weights"]:
-                    dtype = tf.as_dtype(dtype).as_numpy_dtype  # bfloat16 (ml_dtypes) as well as numpy's own.
-                    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-                    arrays.append(np.frombuffer(data, dtype, offset=offset, count=int(np.prod(shape))).reshape(shape))
-                    offset += size
+                    dtype, count = tf.as_dtype(dtype).as_numpy_dtype, int(np.prod(shape))  # bfloat16 (ml_dtypes) too.
+                    arrays.append(np.frombuffer(data, dtype, offset=offset, count=count).reshape(shape))
+                    offset += count * np.dtype(dtype).itemsize
                 values["best_weights"] = arrays
 
     def apply(self, callbacks):
