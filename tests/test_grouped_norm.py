@@ -97,14 +97,18 @@ def test_the_rule_groups_under_xla_on_a_gpu_and_without_xla_on_a_cpu(monkeypatch
     assert steps._grouped is not gpu  # noqa: SLF001
 
 
-def test_the_bench_times_both_steps_and_keras_and_counts_their_kernels(tmp_path):
+def test_the_bench_times_tfmps_steps_and_keras_and_counts_their_kernels(tmp_path):
     """`python -m tfmp.bench.grouped_norm --smoke`, in its own process (it sets XLA_FLAGS
     to dump the steps' HLO before TensorFlow starts)."""
     command = [sys.executable, "-m", "tfmp.bench.grouped_norm", "--smoke", "--rounds=2", "--steps=2"]
     done = subprocess.run([*command, f"--output_dir={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "grouped_norm.json").read_text())
-    assert set(result["ms_per_step"]) == {"per gradient", "grouped", "keras"}
+    assert set(result["ms_per_step"]) == {"per gradient", "grouped", "no norm", "keras"}
     assert all(len(rounds) == 2 and min(rounds) > 0 for rounds in result["rounds"].values())
-    assert len(result["tfmp_kernels"]) == 2 and all(k["kernels"] > 10 for k in result["tfmp_kernels"])
+    kernels = {k["variant"]: k for k in result["tfmp_kernels"]}
+    assert set(kernels) == {"per gradient", "grouped", "no norm"} and all(k["kernels"] > 10 for k in kernels.values())
+    # The diagnostic's step has no sums of squares: fewer kernels, none of them l2_loss.
+    assert kernels["no norm"]["L2Loss"] == 0 < kernels["per gradient"]["L2Loss"]
+    assert kernels["no norm"]["kernels"] < kernels["grouped"]["kernels"]
     assert done.stdout.strip().splitlines()[-1] in ("grouped_norm: on", "grouped_norm: off")

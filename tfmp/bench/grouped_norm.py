@@ -1,6 +1,8 @@
 """The gradient norm's reductions, per gradient or per shape (`tfmp.gradients.half_squares_all`):
 tfmp's compiled step both ways, and Keras' compiled step, timed in alternating rounds in one
-process, and the kernels of tfmp's two steps counted in XLA's optimized HLO.
+process, and the kernels of tfmp's steps counted in XLA's optimized HLO. A third tfmp step,
+"no norm", is a diagnostic and not a mode: its sums of squares are zeros, so it checks and
+measures nothing, and its speed is the most that any cheaper norm or finite check could give.
 
     python -m tfmp.bench.grouped_norm --model=resnet50 --precision=float32 --optimizer=sgd \\
         --output_dir=grouped_norm [--smoke]
@@ -14,6 +16,7 @@ the faster of tfmp's two steps.
 """
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -35,13 +38,26 @@ import tensorflow as tf  # noqa: E402
 from tfmp import gradients, loop, precision  # noqa: E402
 from tfmp.bench import realsize, runs, step_hlo  # noqa: E402
 
-VARIANTS = ("per gradient", "grouped", "keras")
+VARIANTS = ("per gradient", "grouped", "no norm", "keras")
 # Each: the second step's speed over the first's (the first's ms a step over the second's), a median of rounds.
 RATIOS = {
     "speed grouped / per gradient": ("per gradient", "grouped"),
     "speed grouped / keras": ("keras", "grouped"),
     "speed per gradient / keras": ("keras", "per gradient"),
+    "speed no norm / grouped": ("grouped", "no norm"),
+    "speed no norm / keras": ("keras", "no norm"),
 }
+
+
+@contextlib.contextmanager
+def _without_norm():
+    """Steps traced inside the block get zeros for their sums of squares (a diagnostic)."""
+    real = gradients.half_squares_all
+    gradients.half_squares_all = lambda grads, grouped: tf.zeros([len(grads)], tf.float32)
+    try:
+        yield
+    finally:
+        gradients.half_squares_all = real
 
 
 def _variant(name, model_name, policy, optimizer, batch, smoke):
@@ -58,14 +74,15 @@ def _variant(name, model_name, policy, optimizer, batch, smoke):
         model.make_train_function()
         step = lambda: float(model.train_function(iterator)["loss"])  # noqa: E731
     else:
-        with gradients.forced_grouping(name == "grouped"):  # Read when the steps are compiled.
+        with gradients.forced_grouping(name != "per gradient"):  # Read when the steps are compiled.
             steps = loop.prepare(model, tf.distribute.get_strategy(), dataset.element_spec)
             steps.compile(True)
-        assert steps._grouped == (name == "grouped")
+        assert steps._grouped == (name != "per gradient")
         step = lambda: steps.train(iterator)  # noqa: E731
     began = time.perf_counter()
-    for _ in range(3):
-        step()
+    with _without_norm() if name == "no norm" else contextlib.nullcontext():  # Traced at the first step.
+        for _ in range(3):
+            step()
     print(f"{name}: warmed in {time.perf_counter() - began:.0f} s", flush=True)
     return step, model
 
@@ -85,14 +102,20 @@ def measure(model_name, policy, optimizer, batch, rounds, steps, smoke=False):
 
 
 def tfmp_kernels():
-    """The kernels of each tfmp step module dumped, in the order they were compiled."""
+    """The kernels of each tfmp step module dumped, in the order they were compiled (the variants' order)."""
     paths = sorted(glob.glob(os.path.join(_DUMP, "*_packed_update*after_optimizations.txt")))
+    names = [name for name in VARIANTS if name != "keras"]
     found = []
-    for path in paths:
+    for i, path in enumerate(paths):
         with open(path) as f:
             k = step_hlo.kernels(f.read())
         found.append(
-            {"module": os.path.basename(path), "kernels": k["kernels"], "L2Loss": k["by_op_type"].get("L2Loss", 0)}
+            {
+                "variant": names[i] if len(paths) == len(names) else "-",
+                "module": os.path.basename(path),
+                "kernels": k["kernels"],
+                "L2Loss": k["by_op_type"].get("L2Loss", 0),
+            }
         )
     return found
 
@@ -127,7 +150,10 @@ def main(argv=None):
     lines += ["| step | ms a step | rounds |", "|---|---|---|"]
     lines += [f"| {name} | {ms[name]:.2f} | {', '.join(f'{t:.2f}' for t in times[name])} |" for name in VARIANTS]
     lines += [""] + [f"- {key}: {result[key]:.3f}" for key in RATIOS]
-    lines += [f"- tfmp's kernels {k['kernels']} (L2Loss {k['L2Loss']}): {k['module']}" for k in result["tfmp_kernels"]]
+    lines += [
+        f"- tfmp's kernels, {k['variant']}: {k['kernels']} (L2Loss {k['L2Loss']}): {k['module']}"
+        for k in result["tfmp_kernels"]
+    ]
     with open(os.path.join(args.output_dir, "grouped_norm.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
