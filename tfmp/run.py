@@ -98,6 +98,46 @@ class Run:
         """Trains from `epoch`, `position` batches into the input (a resumed run), with
         `step` batches trained before. Returns the History."""
         model, steps, source = self.model, self.steps, self.input
+        self._begin(epochs, step)
+        restored = keras_compat.backup_epoch(model)
+        if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
+            epoch, position = restored, restored * (source.period or 0)
+        first = epoch
+        offset = position - epoch * source.period if source.streamed else position
+        self.step = step
+        self.monitor = self._monitor(step)
+        iterator = source.stream(epoch * source.period + offset) if source.streamed else None
+        stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
+        epoch_logs = {}
+        with guards.signals_set(stop, self.saver is not None and handler is None):
+            while epoch < epochs and not model.stop_training:
+                self._begin_epoch(epoch, offset)
+                if not source.streamed:
+                    iterator = source.epoch(offset)
+                logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
+                    # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
+                    advice = runs_once("steps_per_epoch")
+                    logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, advice)
+                    break
+                if source.streamed and not model.stop_training:
+                    # Batches past the last whole update (a length that grad_accum_steps
+                    # does not divide) are drawn and left out: every epoch starts on time.
+                    for _ in range(source.period - done):
+                        next(iterator)
+                epoch_logs = dict(logs or steps.results())
+                if self.val_input is not None and validates(epoch, validation_freq):
+                    epoch_logs.update(self._validate(epoch))
+                epoch, offset = epoch + 1, 0
+                self._end_epoch(epoch - 1, epoch_logs)
+                if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
+                    raise stop.error(self.step, self.saver.directory)
+        self._end(epochs, epoch > first and epoch == epochs, epoch_logs)
+        return model.history
+
+    def _begin(self, epochs, step):
+        """The callbacks' on_train_begin, and their state put back where a checkpoint has it."""
+        model = self.model
         self.callbacks.set_params({**self.callbacks.params, "epochs": epochs})
         model.stop_training = False
         # Resumed, a CSVLogger adds the epochs' rows to those of the run before, which its on_train_begin would wipe.
@@ -117,62 +157,42 @@ class Run:
                 ended + 1,
             )
             model.stop_training = True
-        restored = keras_compat.backup_epoch(model)
-        if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
-            epoch, position = restored, restored * (source.period or 0)
-        first = epoch
-        offset = position - epoch * source.period if source.streamed else position
-        self.step = step
-        self.monitor = self._monitor(step)
-        iterator = source.stream(epoch * source.period + offset) if source.streamed else None
-        stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
-        epoch_logs = {}
-        with guards.signals_set(stop, self.saver is not None and handler is None):
-            while epoch < epochs and not model.stop_training:
-                if not offset:  # Resumed within the epoch: its running means go on from the checkpoint's.
-                    model.reset_metrics()
-                held = _learning_rate(steps.optimizer) if offset else None
-                kept = None if held is None else held.numpy()
-                self.callbacks.on_epoch_begin(epoch)
-                if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
-                    held.assign(kept)  # that halves the rate each epoch must not halve it twice.
-                if not source.streamed:
-                    iterator = source.epoch(offset)
-                logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
-                if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
-                    # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
-                    advice = runs_once("steps_per_epoch")
-                    logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, advice)
-                    break
-                if source.streamed and not model.stop_training:
-                    # Batches past the last whole update (a length that grad_accum_steps
-                    # does not divide) are drawn and left out: every epoch starts on time.
-                    for _ in range(source.period - done):
-                        next(iterator)
-                epoch_logs = dict(logs or steps.results())
-                if self.val_input is not None and validates(epoch, validation_freq):
-                    epoch_logs.update(self._validate(epoch))
-                epoch, offset, stopped = epoch + 1, 0, model.stop_training  # Stopped during the epoch: no save.
-                self.callbacks.on_epoch_end(epoch - 1, epoch_logs)
-                if self.saver is not None and not stopped:  # After the callbacks: what they changed (the learning
-                    # rate), their state, and whether one ended the run.
-                    self.saver.callbacks.stopped = epoch - 1 if model.stop_training else None
-                    self._save(epoch, epoch * source.period if source.streamed else 0)
-                if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
-                    raise stop.error(self.step, self.saver.directory)
+
+    def _begin_epoch(self, epoch, offset):
+        """The metrics reset and the callbacks' on_epoch_begin; resumed within the epoch (`offset` batches in),
+        the running means go on from the checkpoint's and the learning rate stays the checkpoint's."""
+        if not offset:
+            self.model.reset_metrics()
+        held = _learning_rate(self.steps.optimizer) if offset else None
+        kept = None if held is None else held.numpy()
+        self.callbacks.on_epoch_begin(epoch)
+        if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
+            held.assign(kept)  # that halves the rate each epoch must not halve it twice.
+
+    def _end_epoch(self, epoch, logs):
+        """The callbacks' on_epoch_end, then the epoch's checkpoint (unless it was stopped within)."""
+        stopped = self.model.stop_training  # Stopped during the epoch: no save.
+        self.callbacks.on_epoch_end(epoch, logs)
+        if self.saver is not None and not stopped:  # After the callbacks: what they changed (the learning
+            # rate), their state, and whether one ended the run.
+            self.saver.callbacks.stopped = epoch if self.model.stop_training else None
+            source = self.input
+            self._save(epoch + 1, (epoch + 1) * source.period if source.streamed else 0)
+
+    def _end(self, epochs, trained_to_the_end, logs):
+        """As Keras fit ends: the EMA weights, a PyDataset's last end hook, the callbacks' on_train_end."""
         if self.monitor is not None:
             self.monitor.flush()
         if epochs > 0:  # As Keras fit ends: an optimizer with use_ema=True leaves its averages as the weights.
-            steps.optimizer.finalize_variable_values(model.trainable_weights)
+            self.steps.optimizer.finalize_variable_values(self.model.trainable_weights)
         # A PyDataset's hooks run on its pipeline, ahead of training: its last end hook, as in Keras, before returning.
-        if epochs == epoch > first and not model.stop_training and not source.end_hooks_ran(epochs):
+        if trained_to_the_end and not self.model.stop_training and not self.input.end_hooks_ran(epochs):
             logging.warning(
                 "%s's on_epoch_end had not run after %g s; tfmp.fit returns without it",
                 self.input.name,
                 pydata.END_HOOK_SECONDS,
             )
-        self.callbacks.on_train_end(epoch_logs)
-        return model.history
+        self.callbacks.on_train_end(logs)
 
     def _validate(self, epoch):
         """The validation pass: its val_ logs; none, and one warning a fit, where it saw no batch."""
