@@ -75,14 +75,32 @@ def test_evaluate_and_validation_arrays_beside_a_dataset():
     x, y = arrays()
     model = regression()
     expected = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
-    result = tfmp.evaluate(model, x, y, batch_size=64)
+    result = tfmp.evaluate(model, x, y, batch_size=64, return_dict=True)
     assert result.keys() == expected.keys()
     np.testing.assert_allclose([result[k] for k in expected], list(expected.values()), rtol=1e-5)
     weight = np.linspace(0.0, 2.0, len(x), dtype=np.float32)
     expected = model.evaluate(x, y, sample_weight=weight, verbose=0, return_dict=True)
-    assert tfmp.evaluate(model, x, y, sample_weight=weight) == pytest.approx(expected, rel=1e-5)
+    assert tfmp.evaluate(model, x, y, sample_weight=weight, return_dict=True) == pytest.approx(expected, rel=1e-5)
     history = tfmp.fit(model, regression_data(), validation_data=(x, y), verbose=0)
-    np.testing.assert_allclose(history.history["val_loss"], [tfmp.evaluate(model, (x, y))["loss"]], rtol=1e-5)
+    np.testing.assert_allclose(history.history["val_loss"], [tfmp.evaluate(model, (x, y))[0]], rtol=1e-5)
+
+
+def test_evaluate_returns_what_model_evaluate_returns():
+    """Without return_dict, as model.evaluate: a list, the loss first and the metrics in
+    the model's order (`loss, mae = ...` unpacks the same); the loss alone without metrics."""
+    x, y = arrays()
+    model = regression()
+    expected = model.evaluate(x, y, verbose=0)
+    result = tfmp.evaluate(model, x, y, verbose=0)
+    assert isinstance(result, list) and len(result) == 2
+    np.testing.assert_allclose(result, expected, rtol=1e-5)
+    loss, mae = result
+    assert loss == result[0] and mae == tfmp.evaluate(model, x, y, verbose=0, return_dict=True)["mae"]
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    expected = model.evaluate(x, y, verbose=0)
+    assert isinstance(expected, float) and isinstance(tfmp.evaluate(model, x, y, verbose=0), float)
+    assert tfmp.evaluate(model, x, y, verbose=0) == pytest.approx(expected, rel=1e-5)
 
 
 def test_arrays_without_a_batch_size_are_batched_as_keras_batches_them():
@@ -103,7 +121,7 @@ def test_arrays_without_a_batch_size_are_batched_as_keras_batches_them():
         assert_same(weights(ours), weights(theirs), atol=0)  # Batches of 64: at 32, 0.01 apart.
         np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)
         assert int(ours.optimizer.iterations.numpy()) == 6
-    assert tfmp.evaluate(ours, x, y, steps=3) == pytest.approx(
+    assert tfmp.evaluate(ours, x, y, steps=3, return_dict=True) == pytest.approx(
         theirs.evaluate(x, y, steps=3, verbose=0, return_dict=True), rel=1e-6
     )
 
@@ -138,7 +156,9 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
     history = tfmp.fit(ours, x, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
     assert_same(weights(ours), weights(theirs), atol=0)
     np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)
-    assert tfmp.evaluate(ours, x) == pytest.approx(theirs.evaluate(x, verbose=0, return_dict=True), rel=1e-6)
+    assert tfmp.evaluate(ours, x, return_dict=True) == pytest.approx(
+        theirs.evaluate(x, verbose=0, return_dict=True), rel=1e-6
+    )
     with pytest.raises(UsageError, match="sample_weight weighs the compiled loss"):
         tfmp.fit(ours, x, sample_weight=np.ones(len(x)), verbose=0)
 

@@ -206,7 +206,7 @@ def test_evaluate_and_validation_call_callbacks_as_model_evaluate_and_fit_do():
     theirs, ours = regression(), regression()
     expected, got = _TestEvents(stop_after=3), _TestEvents(stop_after=3)
     logs = theirs.evaluate(x, y, callbacks=[expected], verbose=0, return_dict=True)
-    assert tfmp.evaluate(ours, x, y, callbacks=[got], verbose=0) == pytest.approx(logs, rel=1e-6)
+    assert tfmp.evaluate(ours, x, y, callbacks=[got], verbose=0, return_dict=True) == pytest.approx(logs, rel=1e-6)
     assert got.events == expected.events and len(expected.events) == 10  # Begin, 4 batches, end.
     expected, got = _TestEvents(), _TestEvents()
     theirs.fit(x, y, shuffle=False, validation_data=(x, y), callbacks=[expected], verbose=0)

@@ -278,3 +278,16 @@ def test_backup_epoch_is_the_epoch_backup_and_restore_restored(tmp_path):
     backup.on_train_begin()
     assert keras_compat.backup_epoch(model) == 3
     assert keras_compat.backup_epoch(model) is None  # Taken.
+
+
+def test_results_in_order_are_model_evaluates_list():
+    """The results' order without return_dict, from the logs by name: the loss, then each
+    output's loss and metrics in the model's order, whatever order the logs are in."""
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, {"b": keras.layers.Dense(1)(inputs), "a": keras.layers.Dense(2)(inputs)})
+    model.compile("sgd", {"b": "mse", "a": "mse"}, metrics={"a": ["mae", "mse"], "b": ["mape"]})
+    x, y = np.ones((8, 4), "float32"), {"b": np.zeros((8, 1), "float32"), "a": np.zeros((8, 2), "float32")}
+    logs = model.evaluate(x, y, verbose=0, return_dict=True)
+    shuffled = dict(sorted(logs.items(), reverse=True))
+    assert keras_compat.results_in_order(model, shuffled) == model.evaluate(x, y, verbose=0)
+    assert len(model.evaluate(x, y, verbose=0)) == len(logs) == 6

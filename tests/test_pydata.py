@@ -71,7 +71,7 @@ def test_a_py_dataset_and_a_generator_train_as_model_fit_does(mirrored):
     tfmp.fit(weighted, Batches(w), **same)
     assert_same(weights(weighted), weights(theirs))
     expected = theirs.evaluate(Batches(), verbose=0, return_dict=True)
-    result = tfmp.evaluate(theirs, Batches())
+    result = tfmp.evaluate(theirs, Batches(), return_dict=True)
     np.testing.assert_allclose([result[k] for k in expected], list(expected.values()), rtol=1e-5)
 
 

@@ -3,7 +3,7 @@
 import keras
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import inputs, loop, tf_compat, xla
+from tfmp import inputs, keras_compat, loop, tf_compat, xla
 from tfmp.errors import UsageError
 from tfmp.run import evaluated_nothing, runs_once
 
@@ -18,6 +18,7 @@ def evaluate(
     steps=None,
     callbacks=None,
     verbose="auto",
+    return_dict=False,
     strategy=None,
     jit_compile=False,
 ):
@@ -37,11 +38,13 @@ def evaluate(
             batch with the running logs, end); one may end the pass early by setting
             `model.stop_evaluating`.
         verbose: "auto" or 1 (a progress bar, as in `model.evaluate`), 0 (silent) or 2.
+        return_dict: return the results by name; default, as in `model.evaluate`, a list.
         strategy: default: the strategy the model was built under.
         jit_compile: run each replica's forward pass with XLA (True, False or "auto").
 
     Returns:
-        A dict of floats: `loss` and each metric.
+        As `model.evaluate`: the loss alone where the model has no metric, else a list of floats, the loss
+        first and each metric in the model's order; with `return_dict=True`, a dict of them by name.
     """
     strategy = strategy or model.distribute_strategy
     tf_compat.own_collective_keys(strategy)
@@ -72,4 +75,4 @@ def evaluate(
     if evaluated_nothing(model):
         raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")
     callbacks.on_test_end(logs)
-    return logs
+    return logs if return_dict else keras_compat.results_in_order(model, logs)

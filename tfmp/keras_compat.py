@@ -1,24 +1,21 @@
-"""Uses of Keras internals, in one place, each with a test in
-tests/test_keras_compat.py: a release that changes one of them fails the test named after it.
+"""Uses of Keras internals, in one place, each with a test in tests/test_keras_compat.py: a release that
+changes one of them fails the test named after it.
 
-Keras 3 has no public API for a layer's sublayers, for swapping a built layer's dtype
-policy without writing into a shared `DTypePolicyMap`, for seeing what a layer's `call`
-received and returned (the doctor needs these, on any model, without copying it), for
-building a model with its compiled loss and metrics from a data spec, for the layers a
-`DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the loss
-`model.fit` computes and the metric it reports it with, or for an optimizer's slot
-variables (tfmp's fused updates) and for running an optimizer's update on stand-ins
-(tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
-`filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a
-`BackupAndRestore` callback restored, nor which of a `MultiOptimizer`'s optimizers updates
-a variable (and a copy of its optimizers is what tfmp's applier needs). The uses of
-TensorFlow's internals are in tfmp.tf_compat.
+Keras 3 has no public API for a layer's sublayers, for swapping a built layer's dtype policy without writing
+into a shared `DTypePolicyMap`, for seeing what a layer's `call` received and returned (the doctor needs
+these, on any model, without copying it), for building a model with its compiled loss and metrics from a data
+spec, for the layers a `DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the
+loss `model.fit` computes and the metric it reports it with, for the order `model.evaluate` lists its results
+in, or for an optimizer's slot variables (tfmp's fused updates) and for running an optimizer's update on
+stand-ins (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
+`filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a `BackupAndRestore`
+callback restored, nor which of a `MultiOptimizer`'s optimizers updates a variable (and a copy of its
+optimizers is what tfmp's applier needs). The uses of TensorFlow's internals are in tfmp.tf_compat.
 
-Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply`
-(tfmp.loss_scale), a model's `_aggregate_additional_loss` while `compute_loss` runs (the
-losses layers add, in float32), and an optimizer's `_all_reduce_sum_gradients` and `update_step` on
-tfmp's own shallow copy of it (`reduced_applier`: the user's optimizer object is never
-changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
+Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply` (tfmp.loss_scale), a model's
+`_aggregate_additional_loss` while `compute_loss` runs (the losses layers add, in float32), and an optimizer's
+`_all_reduce_sum_gradients` and `update_step` on tfmp's own shallow copy of it (`reduced_applier`: the user's
+optimizer object is never changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
 """
 
 import contextlib
@@ -71,6 +68,11 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
             "trains an unreduced loss as its sum, and reports its mean)"
         )
     return loss
+
+
+def results_in_order(model, logs):
+    """`logs` as `model.evaluate` returns them without `return_dict`: one number, or a list in its metrics' order."""
+    return model._flatten_metrics_in_order(logs)  # noqa: SLF001
 
 
 def call(model, x, training):
@@ -342,8 +344,7 @@ def optimizer_for(optimizer, variable):
 
 
 def optimizer_groups(optimizer, variables):
-    """[(an optimizer, the variables of `variables` it updates)]: `optimizer` with all of
-    them, or a built MultiOptimizer's optimizers, each with its own."""
+    """[(an optimizer, the variables of `variables` it updates)]: `optimizer`, or a MultiOptimizer's each."""
     groups = {}
     for variable in variables:
         sub = optimizer_for(optimizer, variable)
@@ -368,15 +369,13 @@ def fresh_optimizer(optimizer):
 
 
 def optimizer_parts(optimizer):
-    """A MultiOptimizer's optimizers (a loss-scale wrapper's inner one's), else []: Keras
-    saves their variables itself, and tf.train's tracking does not reach them."""
+    """A MultiOptimizer's optimizers (a wrapper's inner one's), else []: tf.train's tracking does not reach them."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     return list(inner.optimizers) if is_multi(inner) else []
 
 
 def learning_rate(optimizer):
-    """`optimizer`'s learning rate (a loss-scale wrapper's, its inner one's); None for a
-    MultiOptimizer, whose optimizers have one each."""
+    """`optimizer`'s learning rate (a wrapper's, its inner one's); None for a MultiOptimizer (one each)."""
     return None if is_multi(getattr(optimizer, "inner_optimizer", optimizer)) else optimizer.learning_rate
 
 

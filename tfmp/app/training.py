@@ -354,7 +354,7 @@ def _train_and_test(config, run, model, summary, out):
         )
         seconds = time.perf_counter() - begin
         test = evaluation.evaluate(
-            model, ds.test, strategy=strategy, jit_compile=history.params["jit_compile"], verbose=0
+            model, ds.test, strategy=strategy, jit_compile=history.params["jit_compile"], verbose=0, return_dict=True
         )
     except tf.errors.DataLossError as e:  # A truncated or corrupted record file.
         raise TrainingError(
