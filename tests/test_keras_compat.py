@@ -291,3 +291,19 @@ def test_results_in_order_are_model_evaluates_list():
     shuffled = dict(sorted(logs.items(), reverse=True))
     assert keras_compat.results_in_order(model, shuffled) == model.evaluate(x, y, verbose=0)
     assert len(model.evaluate(x, y, verbose=0)) == len(logs) == 6
+
+
+def test_compiled_jit_compile_is_a_choice_that_auto_would_not_have_made(mirrored):
+    """compile(jit_compile=X) where Keras' own "auto" would not give X here, else None; under a
+    strategy Keras' "auto" is off, so a model compiled there with "auto" made no choice."""
+    for strategy in (tf.distribute.get_strategy(), mirrored):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        assert keras_compat.compiled_jit_compile(model) is None
+        auto = bool(model.jit_compile)
+        assert not auto or strategy is not mirrored  # Keras turns XLA off under any strategy.
+        model.compile("sgd", "mse", jit_compile=not auto)
+        assert keras_compat.compiled_jit_compile(model) is (not auto)
+        model.compile("sgd", "mse", jit_compile=auto)
+        assert keras_compat.compiled_jit_compile(model) is None

@@ -291,6 +291,26 @@ def test_auto_turns_xla_on_for_float16_compute_on_any_device(monkeypatch):
     assert history.params["jit_compile_reason"].startswith("auto: GPUs: on" if gpu else "auto: CPUs: on for float16")
 
 
+def test_auto_follows_a_choice_the_models_compile_made(monkeypatch):
+    """As model.fit: a model compiled with jit_compile=True where Keras' own "auto" says off
+    (a CPU) trains with XLA, one compiled with False where it says on (a GPU) without;
+    compiled as "auto" would have, tfmp's rule decides (XLA under a strategy, say)."""
+    monkeypatch.setattr(xla, "measure", lambda *_: pytest.fail("auto timed the step"))
+    for keras_auto in (False, True):  # Keras' "auto" on this machine: off as on a CPU, on as on a GPU.
+        monkeypatch.setattr(keras.Model, "_resolve_auto_jit_compile", lambda self, on=keras_auto: on)
+        for chosen in (True, False):
+            model = tiny_regression()
+            model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=chosen)
+            history = tfmp.fit(model, regression_data(), epochs=1, verbose=0)
+            reason = history.params["jit_compile_reason"]
+            if chosen == keras_auto:
+                assert reason.startswith("auto: "), reason
+            else:
+                assert history.params["jit_compile"] is chosen
+                said = f"{'on' if chosen else 'off'}: the model was compiled with jit_compile={chosen}"
+                assert reason.startswith(said), reason
+
+
 def test_autotune_under_op_determinism_is_a_rule_not_a_timing(monkeypatch):
     """Reruns must match bit for bit: a timing could turn XLA on in one run and off in the next."""
 

@@ -27,14 +27,12 @@ from tfmp.errors import UsageError
 
 
 def symbolic_build(model, element_spec):
-    """Builds `model`, its compiled loss and metrics and its optimizer from a data spec,
-    as `model.fit` does before its first step."""
+    """Builds `model`, its compiled loss and metrics and its optimizer from a data spec, as `model.fit` does."""
     model._symbolic_build(data_batch=element_spec)  # noqa: SLF001
 
 
 def compiled(model):
-    """What `model.compile` set up: (its compiled loss, its compiled metrics), to tell
-    when a model was compiled again; None for what was not compiled."""
+    """(its compiled loss, its compiled metrics), None for what was not: to tell when a model was compiled again."""
     return getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None)
 
 
@@ -73,6 +71,12 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 def results_in_order(model, logs):
     """`logs` as `model.evaluate` returns them without `return_dict`: one number, or a list in its metrics' order."""
     return model._flatten_metrics_in_order(logs)  # noqa: SLF001
+
+
+def compiled_jit_compile(model):
+    """`compile(jit_compile=...)` where it is not "auto"'s answer here (the user's, as model.fit takes it), or None."""
+    chosen = bool(model.jit_compile)
+    return None if chosen == bool(model._resolve_auto_jit_compile()) else chosen  # noqa: SLF001
 
 
 def call(model, x, training):
@@ -128,8 +132,7 @@ def quantize(model, layers, mode):
 
 
 def sublayers(model):
-    """Every layer inside `model` (nested models' and custom layers' too), parents before
-    their children, without InputLayers and without `model` itself."""
+    """Every layer inside `model` (nested models' and custom layers' too), parents first; no InputLayer."""
     layers = model._flatten_layers(include_self=False, recursive=True)  # noqa: SLF001
     return [layer for layer in layers if not isinstance(layer, keras.layers.InputLayer)]
 
@@ -163,14 +166,12 @@ def casts_inputs(layer):
 
 
 def set_policy(layer, policy):
-    """Makes the built `layer` compute under `policy` from now on, without writing into a
-    `DTypePolicyMap` that other layers share (as the public setter would)."""
+    """The built `layer` computes under `policy`, its shared `DTypePolicyMap` untouched (the public setter writes)."""
     layer._dtype_policy = keras.dtype_policies.get(policy)  # noqa: SLF001
 
 
 def forget_compiled_functions(model):
-    """Drops the train/test/predict functions `model.fit` traced, so that the next call
-    traces them again (after a layer's dtype policy changed)."""
+    """Drops the functions `model.fit` traced, so that the next call traces them again (a new dtype policy)."""
     model.train_function = model.test_function = model.predict_function = None
 
 

@@ -181,16 +181,23 @@ def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
         model.reset_metrics()
 
 
+_AS_COMPILED = '{}: the model was compiled with jit_compile={}, which "auto" follows, as model.fit does'
+
+
 def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
 
     `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g.
     `print`) hears, before "autotune" times XLA, what that will cost. XLA is tried (a
-    compile of the step, seconds) only where it would be used: never for a rule that says off."""
+    compile of the step, seconds) only where it would be used: never for a rule that says off.
+    "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`)."""
     check(jit_compile)
-    if jit_compile is False:
+    compiled_with = keras_compat.compiled_jit_compile(steps.model) if jit_compile == "auto" else None
+    if jit_compile is False or compiled_with is False:
         steps.compile(False)
-        return False, "off"
+        return False, "off" if compiled_with is None else _AS_COMPILED.format("off", "False (or run_eagerly=True)")
+    on = "on" if compiled_with is None else _AS_COMPILED.format("on", "True")
+    jit_compile = True if compiled_with else jit_compile
     if distribute.strategy_name(steps.strategy) == "tpu":
         steps.compile(True)
         return True, "TPUs always compile with XLA"
@@ -214,7 +221,7 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     if refused:
         use, why = False, f"XLA cannot compile this model: {refused}"
     elif jit_compile is True:
-        use, why = True, "on"
+        use, why = True, on
     elif not ruled:
         if key not in _VERDICTS:
             if say is not None:
