@@ -284,7 +284,8 @@ def test_results_in_order_are_model_evaluates_list():
     """The results' order without return_dict, from the logs by name: the loss, then each
     output's loss and metrics in the model's order, whatever order the logs are in."""
     inputs = keras.Input((4,))
-    model = keras.Model(inputs, {"b": keras.layers.Dense(1)(inputs), "a": keras.layers.Dense(2)(inputs)})
+    outputs = {"b": keras.layers.Dense(1, name="b")(inputs), "a": keras.layers.Dense(2, name="a")(inputs)}
+    model = keras.Model(inputs, outputs)  # Named as their keys: Keras 3.10 matches metrics to layer names.
     model.compile("sgd", {"b": "mse", "a": "mse"}, metrics={"a": ["mae", "mse"], "b": ["mape"]})
     x, y = np.ones((8, 4), "float32"), {"b": np.zeros((8, 1), "float32"), "a": np.zeros((8, 2), "float32")}
     logs = model.evaluate(x, y, verbose=0, return_dict=True)
