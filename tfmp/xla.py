@@ -192,12 +192,14 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     compile of the step, seconds) only where it would be used: never for a rule that says off.
     "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`)."""
     check(jit_compile)
+    on, off = "on", "off"
     compiled_with = keras_compat.compiled_jit_compile(steps.model) if jit_compile == "auto" else None
-    if jit_compile is False or compiled_with is False:
+    if compiled_with is not None:  # The model's compile chose: as jit_compile=True or False from here.
+        jit_compile = compiled_with
+        on, off = _AS_COMPILED.format("on", "True"), _AS_COMPILED.format("off", "False (or run_eagerly=True)")
+    if jit_compile is False:
         steps.compile(False)
-        return False, "off" if compiled_with is None else _AS_COMPILED.format("off", "False (or run_eagerly=True)")
-    on = "on" if compiled_with is None else _AS_COMPILED.format("on", "True")
-    jit_compile = True if compiled_with else jit_compile
+        return False, off
     if distribute.strategy_name(steps.strategy) == "tpu":
         steps.compile(True)
         return True, "TPUs always compile with XLA"
