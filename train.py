@@ -103,9 +103,9 @@ flags.DEFINE_enum(
     "jit_compile",
     DEFAULT.jit_compile,
     list(training.JIT_COMPILE),
-    "XLA for each replica's forward and backward passes, under any strategy. auto: on GPUs and TPUs, off on "
-    "CPUs (a rule); autotune: measure both ways before training and keep XLA only where it is clearly faster "
-    "(recorded in --model_dir); a model XLA cannot compile trains without it.",
+    "XLA for the whole update (one computation on one device), under any strategy. auto: on GPUs and TPUs; on "
+    "CPUs only where layers compute in float16 (a rule); autotune: measure both ways before training and keep XLA "
+    "only where it is clearly faster (recorded in --model_dir); a model XLA cannot compile trains without it.",
 )
 flags.DEFINE_float(
     "trial_seconds",
