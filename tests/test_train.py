@@ -52,6 +52,8 @@ def test_train_binary_smoke(tmp_path):
     rule = "auto: GPUs: on (a rule" if tf.config.list_physical_devices("GPU") else "auto: CPUs: off (a rule"
     assert metrics["jit_compile"] is rule.startswith("auto: GPUs") and metrics["jit_compile_reason"].startswith(rule)
     assert f"XLA         {'on' if metrics['jit_compile'] else 'off'} (" in result.stdout
+    replicas = metrics["replicas"]
+    assert f"({replicas} replica{'' if replicas == 1 else 's'}), 1 epoch x 4 updates" in result.stdout
     for words in ("precision", "strategy", "per-replica batch", "global batch", "learning rate", "test accuracy"):
         assert words in result.stdout
     files = {p.name for p in (tmp_path / "run").iterdir()}

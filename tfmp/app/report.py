@@ -19,8 +19,8 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step, 
         f"{source.train_size or '?'} train examples, eval on {source.test_split})",
         f"precision   {decision.policy} ({decision.reason.splitlines()[0]})",
         *decision.reason.splitlines()[1:],  # The trial table of autotune, if any.
-        f"strategy    {distribute.strategy_name(strategy)} ({strategy.num_replicas_in_sync} replicas), "
-        f"{config.epochs} epochs x {steps} updates",
+        f"strategy    {distribute.strategy_name(strategy)} ({_count(strategy.num_replicas_in_sync, 'replica')}), "
+        f"{_count(config.epochs, 'epoch')} x {_count(steps, 'update')}",
         f"XLA         {'on' if xla[0] else 'off'} ({xla[1]})",
         f"memory      {bf16.bytes_per_parameter(model, model.optimizer):.1f} bytes a parameter (weights and "
         "optimizer state)"
@@ -35,6 +35,10 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step, 
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)
+
+
+def _count(n, noun):
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 class Summary(keras.callbacks.Callback):
