@@ -183,3 +183,59 @@ def test_the_read_past_an_epochs_end_updates_nothing(mirrored, replicas, jit_com
     assert int(unknown.optimizer.iterations.numpy()) == int(known.optimizer.iterations.numpy()) == 3 * 8
     for a, b in zip(unknown.weights, known.weights, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+# ---- the gradients' norm, only where something reads it ----
+
+_NORM_OPS = {"L2Loss", "Square"}  # half_squares_all's, per gradient or one a shape (SGD's update has neither).
+
+
+@pytest.mark.parametrize(
+    ("policy", "clipnorm", "logged", "norm"),
+    [
+        ("float32", None, False, False),  # Nothing reads it: left out.
+        ("float32", None, True, True),  # The log_dir's history.csv and TensorBoard: grad_norm.
+        ("float32", 1.0, False, True),  # Clipping needs it.
+        ("mixed_float16", None, False, True),  # Loss scaling's finite check needs it.
+    ],
+)
+def test_the_step_passes_over_the_gradients_for_their_norm_only_where_something_needs_it(
+    tmp_path, policy, clipnorm, logged, norm
+):
+    """Keras fit makes no pass over the gradients for a norm; tfmp.fit makes one where its log, a clip or a
+    loss scale reads the result. Counted in the traced step (without XLA, the ops themselves); the weights
+    are the same either way."""
+    keras.config.set_dtype_policy(policy)
+    trained = []
+    for log_dir in (str(tmp_path / "run") if logged else None, str(tmp_path / "other")):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(1e-2, momentum=0.9), "mae")  # (mse would square too.)
+        tfmp.fit(model, regression_data(), epochs=1, clipnorm=clipnorm, log_dir=log_dir, jit_compile=False, verbose=0)
+        trained.append([w.numpy() for w in model.weights])
+        if log_dir is None or logged:
+            compiled = loop._STEPS[model][2]  # noqa: SLF001
+            graph = compiled.update_graph(iter(regression_data()))
+            assert compiled.grad_norm is norm and bool(_NORM_OPS & {op.type for op in graph.get_operations()}) is norm
+    for a, b in zip(*trained, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_evaluate_between_two_fits_keeps_the_compiled_update():
+    """As Keras keeps `train_function` while `evaluate` makes its own: a fit under XLA, an evaluate without
+    it, with other settings than the fit's (accumulation, clipping), then a fit again traces (and compiles)
+    the update once. tfmp built its steps again for the evaluate, and again for the fit, each time."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    settings = dict(grad_accum_steps=2, clipnorm=1.0, jit_compile=True, verbose=0)
+    tfmp.fit(model, regression_data(), epochs=1, **settings)
+    compiled = loop._STEPS[model][2]  # noqa: SLF001
+    update = compiled._one[False]  # noqa: SLF001 - the traced update, one per choice of XLA.
+    traced = update.experimental_get_tracing_count()
+    tfmp.evaluate(model, regression_data(), verbose=0)
+    assert not compiled.jit_compile  # The evaluate ran without XLA (its default), on the same steps.
+    tfmp.fit(model, regression_data(), epochs=2, initial_epoch=1, **settings)
+    assert loop._STEPS[model][2] is compiled and compiled._one[False] is update  # noqa: SLF001
+    assert compiled.jit_compile and update.experimental_get_tracing_count() == traced == 1
+    assert int(model.optimizer.iterations.numpy()) == 8  # 2 epochs of 8 batches, 2 a update.

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 from conftest import Poison
 
-from tfmp import checkpoint
+from tfmp import callbacks, checkpoint
 from tfmp.app import models, training
 from tfmp.errors import TrainingError
 from tfmp.heads import classification_head
@@ -70,6 +70,20 @@ def test_nan_stops_cleanly_and_keeps_a_finite_checkpoint(tmp_path, monkeypatch, 
     assert path.endswith(f"ckpt-{stop_step - 1}") and finite  # Checkpoints every 2 steps.
 
 
+def test_the_message_claims_nothing_of_gradients_it_did_not_check():
+    """Without a log_dir, loss scale or clip, tfmp.fit's step leaves out the gradients' check: a non-finite
+    loss with finite weights then says so, not that the loss itself overflowed."""
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD()
+    said = {c: callbacks.non_finite_message(float("inf"), optimizer, model, checked=c) for c in (True, False)}
+    assert said[True].endswith(
+        "weights still finite: the loss itself overflowed. Training stopped; the last checkpoint holds finite weights"
+    )
+    assert "gradients not checked (tfmp.fit checks them with a log_dir)" in said[False]
+    assert "overflowed" not in said[False]
+    assert callbacks.non_finite_message(1.0, optimizer, model, checked=False) is None
+
+
 def _scalars(model_dir, tag):
     values = {}
     for event_file in glob.glob(f"{model_dir}/tensorboard/events.out.tfevents.*"):
@@ -123,7 +137,7 @@ def test_full_disk_during_a_save(tmp_path, monkeypatch):
 
 
 def test_a_loss_scale_below_one_warns_once_naming_the_fixes(tmp_path, caplog):
-    from tfmp import callbacks, loss_scale
+    from tfmp import loss_scale
 
     optimizer = loss_scale.LossScaleOptimizer(keras.optimizers.SGD(0.1))
     monitor = callbacks.Monitor(str(tmp_path), optimizer, examples_per_step=8)

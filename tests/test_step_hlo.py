@@ -33,12 +33,13 @@ def test_kernels_counts_the_entry_computations_launches_by_opcode_and_op_type():
 
 
 def test_a_smoke_run_finds_both_loops_steps_and_tfmps_norm(tmp_path):
-    """On a CPU, a tiny convolutional stand-in: each loop's step module is found, and the
-    op types that differ include tfmp's gradient norm (L2Loss), which Keras does not compute."""
+    """On a CPU, a tiny convolutional stand-in: each loop's step module is found, and neither
+    computes a gradient norm (L2Loss): tfmp.fit's step, like the benchmarks', has no log_dir to
+    read it, and no loss scale or clip to need it (`Steps`' grad_norm)."""
     result = step_hlo.run(str(tmp_path), "resnet50", "float32", "sgd", 8, smoke=True, dump=str(tmp_path / "dump"))
     loops = result["loops"]
     assert set(loops) == {"keras", "tfmp"} and all(loops[k]["kernels"] > 10 for k in loops)
-    assert loops["tfmp"]["by_op_type"].get("L2Loss", 0) >= 1 and "L2Loss" not in loops["keras"]["by_op_type"]
-    assert ("L2Loss", 0, loops["tfmp"]["by_op_type"]["L2Loss"]) in step_hlo.differences(loops)
+    assert "L2Loss" not in loops["tfmp"]["by_op_type"] and "L2Loss" not in loops["keras"]["by_op_type"]
+    assert all(op != "L2Loss" for op, _, _ in step_hlo.differences(loops))
     written = (tmp_path / "step_hlo.md").read_text()
-    assert "| tfmp |" in written and "| L2Loss | 0 |" in written
+    assert "| tfmp |" in written and "| TensorFlow op type |" in written

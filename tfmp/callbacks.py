@@ -229,9 +229,10 @@ def _read_history(path, up_to_step):
     return rows
 
 
-def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None):
+def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None, checked=True):
     """Why training must stop, or None when it may go on. `loss_scale`: the scale after the
-    update that gave `loss` (default: the optimizer's now)."""
+    update that gave `loss` (default: the optimizer's now); `checked`: whether the gradients
+    were checked (where not, `bad_gradient` is None and says nothing of them)."""
     if np.isfinite(float(loss)):
         return None
     scale = None
@@ -245,6 +246,8 @@ def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, los
         detail = f"first non-finite weight: {culprit}"
     elif bad_gradient:
         detail = f"weights still finite; first non-finite gradient: {bad_gradient}"
+    elif not checked:
+        detail = "weights still finite; gradients not checked (tfmp.fit checks them with a log_dir)"
     else:
         detail = "weights still finite: the loss itself overflowed"
     scale_note = f" with the loss scale down to {scale:g}" if scale is not None else ""

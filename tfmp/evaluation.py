@@ -64,7 +64,7 @@ def evaluate(
         targets=inputs.needs_targets(model),
     )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
-    compiled = loop.prepare(model, strategy, source.element_spec)
+    compiled = loop.prepare(model, strategy, source.element_spec, evaluating=True)
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None)
     callbacks = keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=source.steps, model=model

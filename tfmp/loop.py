@@ -188,8 +188,10 @@ def fit(
     val_input = None
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
-    steps = prepare(model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution)
     log_dir = log_dir or checkpoint_dir  # The run's directory: decisions.json goes here too.
+    # Without a log_dir nothing reads the gradients' norm: the step leaves it out where nothing else needs it.
+    spec, norm = train_input.element_spec, log_dir is not None
+    steps = prepare(model, strategy, spec, grad_accum_steps, clipnorm, steps_per_execution, grad_norm=norm)
     use, why, chosen_now = xla.resolve_run(
         steps,
         train_input.element_spec,
@@ -240,9 +242,20 @@ def fit(
             steps.release()  # tf.data's tuning thread, and the bench's process waited 25 s for those threads to exit.
 
 
-def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, steps_per_execution=1):
+def prepare(
+    model,
+    strategy,
+    element_spec,
+    grad_accum_steps=1,
+    clipnorm=None,
+    steps_per_execution=1,
+    grad_norm=True,
+    evaluating=False,
+):
     """Checks the data's structure, builds the model, its compiled loss and metrics and its
-    optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`."""
+    optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`.
+    With `evaluating=True`, the steps kept for the model are taken whatever they train with
+    (as `model.evaluate` leaves `model.train_function` be): no compiled update is lost."""
     if precision.float8_enabled() and not float8.quantized_layers(model):
         float8.quantize(model)  # Before the optimizer is built: it must know the float8 state.
     inputs.build_for(model, strategy, element_spec)
@@ -253,11 +266,21 @@ def prepare(model, strategy, element_spec, grad_accum_steps=1, clipnorm=None, st
     # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
     dtypes = tuple((layer.compute_dtype, layer.quantization_mode) for layer in keras_compat.sublayers(model))
     rounding, seed = precision.bf16_rounding()
-    settings = (grad_accum_steps, clipnorm, steps_per_execution, dtypes, rounding, seed)
+    settings = ((dtypes, rounding, seed), (grad_accum_steps, clipnorm, steps_per_execution, grad_norm))
     kept = _STEPS.get(model)
-    if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1] == settings:
-        return kept[2]
-    steps = Steps(model, strategy, grad_accum_steps, clipnorm, steps_per_execution, bf16_rounding=rounding, seed=seed)
+    if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1][0] == settings[0]:
+        if kept[1][1] == settings[1] or evaluating:
+            return kept[2]
+    steps = Steps(
+        model,
+        strategy,
+        grad_accum_steps,
+        clipnorm,
+        steps_per_execution,
+        bf16_rounding=rounding,
+        seed=seed,
+        grad_norm=grad_norm,
+    )
     _STEPS[model] = key, settings, steps
     return steps
 

@@ -30,6 +30,12 @@ def validates(epoch, validation_freq):
     return (epoch + 1) % validation_freq == 0
 
 
+def first_non_finite_gradient(steps, finite):
+    """The path of the first variable whose reduced gradient `steps` found non-finite (`finite`, per variable it
+    applied), or None."""
+    return next((steps.variables[i].path for i, ok in zip(steps.applied, finite, strict=True) if not ok), None)
+
+
 def runs_once(steps_arg):
     """What to do where an input gave a pass no batch: `steps_arg` names the argument that
     bounds a generator without end (steps_per_epoch, validation_steps, steps)."""
@@ -288,9 +294,10 @@ class Run:
             out["step_loss"],
             self.steps.optimizer,
             self.model,
-            self.steps.first_non_finite_gradient(out["finite"]),
+            first_non_finite_gradient(self.steps, out["finite"]),
             update.step,
             loss_scale=float(out["loss_scale"]) if self.steps.scaled else None,
+            checked=self.steps.grad_norm,
         )
         if message:
             message = f"{message}. Replay of the failing batch: {self._replay(update.position - update.batches)}"

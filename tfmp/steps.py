@@ -1,11 +1,10 @@
 """The compiled train and test steps behind `tfmp.fit`, for any compiled Keras model.
 
-One update: each replica runs `grad_accum_steps` batches forward and backward with the
-model's own `compute_loss` (its compiled losses, loss weights, sample weights and
-regularization, each a mean over the GLOBAL batch), summing their gradients locally; the
-sum is all-reduced once, clipped by the global norm of the reduced, unscaled gradients,
-and applied. Under loss scaling the update is skipped on every replica when any reduced
-gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
+One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own
+`compute_loss` (its compiled losses, loss weights, sample weights and regularization, each a mean over the
+GLOBAL batch), summing their gradients locally; the sum is all-reduced once, clipped by the global norm of the
+reduced, unscaled gradients, and applied. Under loss scaling the update is skipped on every replica when any
+reduced gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
 import contextlib
@@ -19,6 +18,8 @@ from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, ke
 
 _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")  # Besides metrics.
+_COMPILED = ("gradients", "_forward", "_split", "_step", "_quiet_step", "_compute", "_apply", "_one", "_many")
+_COMPILED += ("_concrete", "_test", "_lean", "_grouped")  # What `Steps.compile` makes, kept per choice of XLA.
 
 
 class Steps:
@@ -31,15 +32,18 @@ class Steps:
         clipnorm: clip the global norm of the all-reduced, unscaled gradients to this.
         steps_per_execution: updates per call of `train` when the epoch has room for them.
         jit_compile: run the update under XLA (see `compile`), and evaluation's forward pass.
-        sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through
-            accumulation, all-reduce, the overflow check and clipping (not on TPUs,
-            whose all-reduce takes dense tensors; on one replica, only where the update
-            keeps them sparse too); False densifies them first.
-        fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam,
-            AdamW, SGD; not on TPUs); False keeps Keras' element-wise update.
-        bf16_rounding: how bfloat16 weights are written back after each float32 update
-            (`tfmp.bf16`): kahan, stochastic or nearest.
+        sparse: keep embedding gradients (`tf.IndexedSlices`) sparse through accumulation, all-reduce, the
+            overflow check and clipping (not on TPUs, whose all-reduce takes dense tensors; on one replica, only
+            where the update keeps them sparse too); False densifies them first.
+        fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam, AdamW, SGD; not on
+            TPUs); False keeps Keras' element-wise update.
+        bf16_rounding: how bfloat16 weights are written back after each float32 update (`tfmp.bf16`): kahan,
+            stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
+        grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`,
+            `finite`). False where nothing reads them (`tfmp.fit` without a log_dir): one pass over every gradient
+            less, unless loss scaling (its finite check) or `clipnorm` needs them; `grad_norm` is then NaN and
+            every gradient counts as finite.
     """
 
     def __init__(
@@ -54,14 +58,14 @@ class Steps:
         fused_updates=True,
         bf16_rounding="kahan",
         seed=0,
+        grad_norm=True,
     ):
-        self.model = model
-        self.optimizer = model.optimizer
-        self.strategy = strategy
+        self.model, self.optimizer, self.strategy = model, model.optimizer, strategy
         self.grad_accum_steps = grad_accum_steps
         self.clipnorm = clipnorm
         self.steps_per_execution = steps_per_execution
         self.scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        self.grad_norm = bool(grad_norm or clipnorm or self.scaled)  # Whether the step computes it.
         self.variables = list(model.trainable_variables)
         self._state = [float8.is_state(v) for v in self.variables]  # Set, not learnt: see tfmp.float8.
         self._crossing = crossing.Crossing(self._state)  # What crosses replicas, and back.
@@ -80,31 +84,38 @@ class Steps:
             hooks[id(sub)] = bf16.applier_hooks(sub, variables, strategy, bf16_rounding, seed, update_step)
         # What applies the all-reduced gradients: tfmp's copy of the optimizer, sharing its variables (keras_compat).
         self._applier = keras_compat.reduced_applier(self.optimizer, hooks, "gradients_reduced")
-        # Which gradients to make dense before the all-reduce: all of them with sparse=False;
-        # on one replica (nothing to all-reduce), those the update makes dense anyway (Adam's
-        # moments decay on every row): once dense, they need no deduplication for the norm.
-        # A bfloat16 weight's update (tfmp.bf16) reads its gradient whole, whatever the optimizer.
+        # Which gradients to make dense before the all-reduce: all of them with sparse=False; on one replica
+        # (nothing to all-reduce), those the update makes dense anyway (Adam's moments decay on every row): once
+        # dense, they need no deduplication. A bfloat16 weight's update (tfmp.bf16) reads its gradient whole.
         alone = strategy.num_replicas_in_sync == 1
         dense_update = [fused.keras_densifies(keras_compat.optimizer_for(inner, v)) for v in self.variables]
         self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
+        self._made = {}  # XLA on? -> what `compile` made for it, as it was when left.
         self.compile(jit_compile)
 
     def compile(self, jit_compile):
-        """(Re)creates the compiled steps, with the update under XLA or not.
+        """Makes the compiled steps, with the update under XLA or not; a choice made before gets its steps
+        again, traced and compiled as they were (as Keras keeps `train_function` while `evaluate` makes its
+        own: a fit under XLA, an evaluate without it, then a fit again compiles the update once).
 
-        Under XLA, one replica runs its whole update as ONE XLA computation: forward,
-        backward, loss scaling, unscale, finite check and skip, clip, the optimizer's
-        update, metrics and the packed outputs. Several replicas run two per replica,
-        around the one thing XLA cannot hold there, the cross-replica sum: forward and
-        backward, packing every dense gradient into one vector; then, after the all-reduce
-        of that vector (and one all-gather of the float8 state), the rest of the update.
-        Either way the ops run outside XLA per step do not grow with the model's variables.
+        Under XLA, one replica runs its whole update as ONE XLA computation: forward, backward, loss scaling,
+        unscale, finite check and skip, clip, the optimizer's update, metrics and the packed outputs. Several
+        replicas run two per replica, around the one thing XLA cannot hold there, the cross-replica sum: forward
+        and backward, packing every dense gradient into one vector; then, after the all-reduce of that vector
+        (and one all-gather of the float8 state), the rest of the update. Either way the ops run outside XLA
+        per step do not grow with the model's variables.
         """
-        if getattr(self, "_one", None) is not None and self.jit_compile == bool(jit_compile):
-            return  # Already so: keep what was traced.
-        self.jit_compile = bool(jit_compile)
+        jit_compile = bool(jit_compile)
+        if getattr(self, "_one", None) is not None:
+            if self.jit_compile == jit_compile:
+                return  # Already so.
+            self._made[self.jit_compile] = {name: getattr(self, name) for name in _COMPILED}
+        self.jit_compile = jit_compile
+        if jit_compile in self._made:
+            self.__dict__.update(self._made.pop(jit_compile))
+            return
         # Without AutoGraph, as Keras' steps: converting tfmp's functions took 3.5 s of a process's first step.
         jit = tf.function(jit_compile=True, autograph=False) if self.jit_compile else (lambda fn: fn)
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
@@ -121,19 +132,11 @@ class Steps:
         self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
         self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
         self._test = tf.function(self._test_step, reduce_retracing=True, autograph=False)
-        # Under XLA on one CPU, the call around the update holds only the iterator's reads and the XLA computation:
-        # the default executor's hand-offs cost 4-7% of a small model's step (DECISIONS.md). Not without XLA (Keras'
-        # element-wise optimizers run side by side), nor on GPUs or TPUs (not measured). The norm's reductions one a
-        # shape where each would be an op of its own: under XLA on a GPU (a launch each) and without XLA on a CPU (an
-        # op each for the executor); per gradient under XLA on a CPU, which fuses them (DECISIONS.md).
+        # Lean: under XLA on one CPU the call runs on one thread (the executor's hand-offs cost 4-7% of a small
+        # step). Grouped: the norm's reductions one a shape where each would be an op of its own (DECISIONS.md).
         gpu = bool(tf.config.list_logical_devices("GPU"))
         self._lean = self.jit_compile and one and not tpu and not gpu
         self._grouped = gradients.GROUPED if gradients.GROUPED is not None else gpu == self.jit_compile and not tpu
-
-    def _fall_back(self, error):
-        self.fallback = xla.reason(error)
-        logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
-        self.compile(False)
 
     def _first_call(self, fn, *args):
         """Calls a compiled step; the first call under XLA falls back to no XLA if it fails to compile."""
@@ -144,7 +147,9 @@ class Steps:
         except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError) as e:
             if not xla.is_compile_failure(e):
                 raise
-            self._fall_back(e)
+            self.fallback = xla.reason(e)
+            logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
+            self.compile(False)
             return _FAILED
         self._ran = True
         return out
@@ -152,24 +157,20 @@ class Steps:
     # ---- training ----
 
     def train(self, iterator, updates=1):
-        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`, and waits
-        for them: `read(dispatch(iterator, updates))`.
+        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`, and waits for them.
 
         Returns:
-            A dict of numpy values: `step_loss` (the last update's mean loss),
-            `grad_norm`, `finite` (per variable), `iterations`, `learning_rate`,
-            `loss_scale` (-1 without loss scaling), and the model's metric results
-            (`loss`, ...: running means over the epoch).
+            A dict of numpy values: `step_loss` (the last update's mean loss), `grad_norm`, `finite` (per
+            variable; see `grad_norm` above), `iterations`, `learning_rate`, `loss_scale` (-1 without loss
+            scaling), and the model's metric results (`loss`, ...: running means over the epoch).
         """
         return self.read(self.dispatch(iterator, updates))
 
     def dispatch(self, iterator, updates=1, gated=False):
-        """Queues `updates` updates from `iterator` and returns at once, with what they will return packed
-        into one tensor (see `read`). `gated`: an input of unknown length, whose epochs end with a failed read
-        (see `_replica_update`). The traced step is kept per iterator and called directly, its inputs flattened
-        once (`tfmp.calls`; `tf.function` would hash and flatten every argument and capture each step). Its first
-        call runs on the executor the later ones take: each executor instantiates the step anew (on one CPU,
-        a switch after the first step cost 40-550 ms once)."""
+        """Queues `updates` updates from `iterator` and returns at once, with what they will return packed into
+        one tensor (see `read`). `gated`: an input of unknown length, whose epochs end with a failed read (see
+        `_replica_update`). The traced step is kept per iterator and called directly (`tfmp.calls`), its first
+        call on the executor the later ones take (each executor instantiates the step anew: 40-550 ms)."""
         gate = gated and not self.jit_compile  # XLA's one computation waits for its inputs anyway.
         key = (updates > 1, gate, id(iterator))
         kept = self._concrete.get(key)
@@ -197,14 +198,15 @@ class Steps:
 
     def release(self):
         """Drops the kept calls, and with them their iterators (prefetched batches, tf.data's tuning thread)."""
-        self._concrete.clear()
+        for kept in (self._concrete, *(made["_concrete"] for made in self._made.values())):
+            kept.clear()
 
     def replica_gradients(self, batches):
         """Forward and backward passes over this replica's `batches`, gradients summed.
 
         Returns:
-            (gradients per trainable variable (None where it gets none; embeddings'
-            IndexedSlices stay sparse), each batch's loss, each batch's predictions).
+            (gradients per trainable variable (None where it gets none; embeddings' IndexedSlices stay sparse),
+            each batch's loss, each batch's predictions).
         """
         model, n = self.model, len(batches)
         grads, losses, preds = None, [], []
@@ -212,8 +214,7 @@ class Steps:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             with tf.GradientTape() as tape:
                 y_pred = keras_compat.call(model, x, training=True)
-                # A mean over the global batch (Keras divides each replica's mean by the
-                # replica count), plus regularization counted once after the sum.
+                # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
                 loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = gradients.shaped(tape.gradient(scaled, self.variables), self.variables)
@@ -233,9 +234,8 @@ class Steps:
     # One update, as a pipeline: gradients -> all-reduce -> unscale and check -> clip -> apply.
 
     def _gradients_stage(self, batches):
-        """Each replica: gradients summed over its batches (see `replica_gradients`), the
-        loss tracker and metrics updated; returns (gradients of the trained variables,
-        dense where `_dense` says so, the mean loss)."""
+        """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
+        metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
         grads, losses, preds = self.replica_gradients(batches)
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
@@ -249,7 +249,9 @@ class Steps:
         """(gradients with one row per index, their global norm unscaled, per-variable finiteness). One pass
         over each gradient gives both: its sum of squares, finite where the gradient is (or, past 1e19, where it
         overflows float32: then the norm is not finite either). No cond: one per gradient would add its ops."""
-        grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's.
+        grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's (and the update).
+        if not self.grad_norm:  # Nothing reads them: no pass over the gradients (Keras fit makes none either).
+            return grads, tf.constant(float("nan")), tf.ones([len(grads)], tf.bool)
         squares = gradients.half_squares_all(grads, self._grouped)
         scale = tf.cast(self.optimizer.dynamic_scale, tf.float32) if self.scaled else 1.0
         weights = tf.constant(self._crossing.weights(self.applied), tf.int32)
@@ -264,8 +266,8 @@ class Steps:
         return [g if self._state[i] else gradients.scale(g, factor) for g, i in zip(grads, self.applied, strict=True)]
 
     def _apply_reduced(self, grads):
-        """Unscale and check, clip, apply (skipped on every replica if any gradient is not
-        finite, under loss scaling): the same on every replica, from the same gradients."""
+        """Unscale and check, clip, apply (skipped on every replica if any gradient is not finite, under loss
+        scaling): the same on every replica, from the same gradients."""
         grads, grad_norm, finite = self._unscale_and_check(grads)
         if self.scaled:  # The loss-scale wrapper skips the step on this, not on a check of its own.
             object.__setattr__(self._applier, "all_finite", tf.reduce_all(finite))
@@ -348,10 +350,6 @@ class Steps:
         """The model's metric results, summed over replicas and workers."""
         with self.strategy.scope():
             return {k: float(v) for k, v in self.model.get_metrics_result().items()}
-
-    def first_non_finite_gradient(self, finite):
-        """The path of the first variable whose reduced gradient was non-finite, or None."""
-        return next((self.variables[i].path for i, ok in zip(self.applied, finite, strict=True) if not ok), None)
 
     # ---- evaluation ----
 

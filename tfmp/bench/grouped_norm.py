@@ -1,8 +1,10 @@
 """The gradient norm's reductions, per gradient or per shape (`tfmp.gradients.half_squares_all`):
 tfmp's compiled step both ways, and Keras' compiled step, timed in alternating rounds in one
-process, and the kernels of tfmp's steps counted in XLA's optimized HLO. A third tfmp step,
-"no norm", is a diagnostic and not a mode: its sums of squares are zeros, so it checks and
-measures nothing, and its speed is the most that any cheaper norm or finite check could give.
+process, and the kernels of tfmp's steps counted in XLA's optimized HLO (all three with the
+norm, as tfmp.fit compiles them with a log_dir). A third tfmp step, "no norm", has zeros for
+its sums of squares: in float32 and mixed_bfloat16 it computes what tfmp.fit's step computes
+where nothing reads the norm (no log_dir, clip or loss scale: `Steps`' grad_norm); under
+mixed_float16 it is a diagnostic, whose speed is the most a cheaper finite check could give.
 
     python -m tfmp.bench.grouped_norm --model=resnet50 --precision=float32 --optimizer=sgd \\
         --output_dir=grouped_norm [--smoke]
