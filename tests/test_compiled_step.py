@@ -221,10 +221,11 @@ def test_the_step_passes_over_the_gradients_for_their_norm_only_where_something_
         np.testing.assert_array_equal(a, b)
 
 
-def test_an_evaluate_between_two_fits_keeps_the_compiled_update():
+def test_an_evaluate_between_two_fits_keeps_the_compiled_update(tmp_path):
     """As Keras keeps `train_function` while `evaluate` makes its own: a fit under XLA, an evaluate without
     it, with other settings than the fit's (accumulation, clipping), then a fit again traces (and compiles)
-    the update once. tfmp built its steps again for the evaluate, and again for the fit, each time."""
+    the update once. tfmp built its steps again for the evaluate, and again for the fit, each time. A log_dir
+    changes nothing here either: the clip needs the gradients' norm with it or without."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
     model.compile(keras.optimizers.Adam(1e-2), "mse")
@@ -239,3 +240,5 @@ def test_an_evaluate_between_two_fits_keeps_the_compiled_update():
     assert loop._STEPS[model][2] is compiled and compiled._one[False] is update  # noqa: SLF001
     assert compiled.jit_compile and update.experimental_get_tracing_count() == traced == 1
     assert int(model.optimizer.iterations.numpy()) == 8  # 2 epochs of 8 batches, 2 a update.
+    tfmp.fit(model, regression_data(), epochs=3, initial_epoch=2, log_dir=str(tmp_path), **settings)
+    assert loop._STEPS[model][2] is compiled and update.experimental_get_tracing_count() == 1  # noqa: SLF001

@@ -26,7 +26,7 @@ from tfmp import (
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError, is_count
 from tfmp.run import Run
-from tfmp.steps import Steps
+from tfmp.steps import Steps, computes_norm
 
 VERBOSE = ("auto", 0, 1, 2)
 
@@ -190,8 +190,9 @@ def fit(
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
     log_dir = log_dir or checkpoint_dir  # The run's directory: decisions.json goes here too.
     # Without a log_dir nothing reads the gradients' norm: the step leaves it out where nothing else needs it.
-    spec, norm = train_input.element_spec, log_dir is not None
-    steps = prepare(model, strategy, spec, grad_accum_steps, clipnorm, steps_per_execution, grad_norm=norm)
+    steps = prepare(
+        model, strategy, train_input.element_spec, grad_accum_steps, clipnorm, steps_per_execution, bool(log_dir)
+    )
     use, why, chosen_now = xla.resolve_run(
         steps,
         train_input.element_spec,
@@ -266,6 +267,8 @@ def prepare(
     # The layers' compute dtypes too: `tfmp.keep_float32(model, ...)` may change them between fits.
     dtypes = tuple((layer.compute_dtype, layer.quantization_mode) for layer in keras_compat.sublayers(model))
     rounding, seed = precision.bf16_rounding()
+    # The norm as the step would compute it: a loss-scaled or clipped step has it with a log_dir or without.
+    grad_norm = computes_norm(model.optimizer, clipnorm, grad_norm)
     settings = ((dtypes, rounding, seed), (grad_accum_steps, clipnorm, steps_per_execution, grad_norm))
     kept = _STEPS.get(model)
     if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1][0] == settings[0]:

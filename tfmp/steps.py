@@ -22,6 +22,11 @@ _COMPILED = ("gradients", "_forward", "_split", "_step", "_quiet_step", "_comput
 _COMPILED += ("_concrete", "_test", "_lean", "_grouped")  # What `Steps.compile` makes, kept per choice of XLA.
 
 
+def computes_norm(optimizer, clipnorm, grad_norm):
+    """Whether a step computes the gradients' norm: where asked, or where a clip or a loss scale's check needs it."""
+    return bool(grad_norm or clipnorm or isinstance(optimizer, keras.optimizers.LossScaleOptimizer))
+
+
 class Steps:
     """Compiled train and test steps for one compiled model under one strategy.
 
@@ -40,10 +45,9 @@ class Steps:
         bf16_rounding: how bfloat16 weights are written back after each float32 update (`tfmp.bf16`): kahan,
             stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
-        grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`,
-            `finite`). False where nothing reads them (`tfmp.fit` without a log_dir): one pass over every gradient
-            less, unless loss scaling (its finite check) or `clipnorm` needs them; `grad_norm` is then NaN and
-            every gradient counts as finite.
+        grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`, `finite`).
+            False where nothing reads them (`tfmp.fit` without a log_dir): no pass over the gradients for them
+            unless a clip or loss scale needs them (`computes_norm`); `grad_norm` NaN, every gradient finite.
     """
 
     def __init__(
@@ -61,11 +65,9 @@ class Steps:
         grad_norm=True,
     ):
         self.model, self.optimizer, self.strategy = model, model.optimizer, strategy
-        self.grad_accum_steps = grad_accum_steps
-        self.clipnorm = clipnorm
-        self.steps_per_execution = steps_per_execution
+        self.grad_accum_steps, self.clipnorm, self.steps_per_execution = grad_accum_steps, clipnorm, steps_per_execution
         self.scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        self.grad_norm = bool(grad_norm or clipnorm or self.scaled)  # Whether the step computes it.
+        self.grad_norm = computes_norm(self.optimizer, clipnorm, grad_norm)
         self.variables = list(model.trainable_variables)
         self._state = [float8.is_state(v) for v in self.variables]  # Set, not learnt: see tfmp.float8.
         self._crossing = crossing.Crossing(self._state)  # What crosses replicas, and back.
