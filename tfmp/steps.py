@@ -126,6 +126,10 @@ class Steps:
         tpu = distribute.strategy_name(self.strategy) == "tpu"
         # TPUs compile the whole replica function anyway: there the stages stay plain.
         self._split = not one and not tpu
+        # Mirrored replicas update their own copies from the same reduced gradients: no merge call, which fails
+        # under XLA and in the cond of an optimizer's own accumulation or average overwrite (keras#20582).
+        mirrored = distribute.strategy_name(self.strategy) in ("mirrored", "multi_worker")
+        self._local_updates = tf_compat.replica_local_updates if mirrored else lambda *_: contextlib.nullcontext()
         self._step = jit(self._packed_update) if one else self._packed_update
         self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
@@ -274,7 +278,8 @@ class Steps:
         if self.scaled:  # The loss-scale wrapper skips the step on this, not on a check of its own.
             object.__setattr__(self._applier, "all_finite", tf.reduce_all(finite))
         try:
-            self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
+            with self._local_updates(self._applier.variables, self.strategy):
+                self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
         finally:
             if self.scaled:
                 object.__setattr__(self._applier, "all_finite", None)
@@ -285,12 +290,7 @@ class Steps:
         return (*self._crossing.pack(grads, self.applied), loss)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
-        # Under XLA no merge call can run inside this function: each replica updates its
-        # own copies, from the same reduced gradients, so the copies stay equal.
-        local = self._split and self.jit_compile
-        updates = tf_compat.replica_local_updates if local else lambda *_: contextlib.nullcontext()
-        with updates(self._applier.variables, self.strategy):
-            return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
+        return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
 
     def _replica_update(self, batches, gated):
         # Gated, every op waits for the batches: else, without XLA, the failed read ending an epoch of unknown

@@ -64,8 +64,10 @@ def replica_local_updates(variables, strategy=None):
 
     With `strategy`, its replicas also make no merge call inside the block, as under XLA on
     GPUs (TensorFlow's own no-merge-call branch): each variable update goes to the replica's
-    own copy (`MirroredExtended._replica_ctx_update`). tfmp traces its XLA update function
-    so: a merge call cannot run inside a function called per replica.
+    own copy (`MirroredExtended._replica_ctx_update`). tfmp applies every update under a
+    (multi-worker) mirrored strategy so, with XLA or without: a merge call cannot run inside
+    a function called per replica, nor in the cond of an optimizer's own gradient
+    accumulation or moving-average overwrite.
     """
     only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
     changed = []
