@@ -9,6 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import GPUS
 
 import tfmp
 
@@ -57,11 +58,13 @@ def _data():
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-def test_tfmp_fit_gives_model_fit_weights(optimizer):
+def test_tfmp_fit_gives_model_fit_weights(optimizer, deterministic_gpu):
     ours, theirs = _model(optimizer), _model(optimizer)
     tfmp.fit(ours, _data(), epochs=3, jit_compile=False, verbose=0)
     theirs.fit(_data(), epochs=3, verbose=0)
     assert int(ours.optimizer.iterations.numpy()) == int(theirs.optimizer.iterations.numpy()) == 48
     pairs = zip(ours.weights, theirs.weights, strict=True)
     difference = max(float(np.max(np.abs(a.numpy() - b.numpy()))) for a, b in pairs)
-    assert difference <= 1e-6, difference
+    # To the bit on a CPU. A GPU's deterministic kernels make each loop repeat itself, but the two loops'
+    # graphs may still meet other kernels there: not yet read on one, so within 1e-6 there.
+    assert difference <= (1e-6 if GPUS else 0.0), difference
