@@ -54,6 +54,24 @@ def test_no_merge_call_inside_replica_local_updates_and_back_after(mirrored):
     assert "_use_merge_call" not in vars(extended) and extended._use_merge_call() is True
 
 
+def test_replica_local_updates_leave_a_strategy_of_another_kind_as_it_is():
+    """The extended classes it knows by name are MirroredStrategy's and MultiWorkerMirroredStrategy's; a
+    one-device strategy (TPUs' too) keeps its merge calls and its variables' aggregation."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy
+
+    multi_worker = collective_all_reduce_strategy.CollectiveAllReduceExtended.__name__
+    mirrored = type(tf.distribute.MirroredStrategy(["/cpu:0"]).extended).__name__
+    assert {mirrored, multi_worker} == set(tf_compat._MIRRORED)
+    one = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with one.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([keras.Variable(np.ones(2, np.float32))])
+    aggregation = optimizer.iterations.value.aggregation
+    with tf_compat.replica_local_updates(optimizer.variables, one):
+        assert "_use_merge_call" not in vars(one.extended)
+        assert optimizer.iterations.value.aggregation == aggregation
+
+
 def test_each_strategy_gets_keys_of_its_own_once():
     first, second = (tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]) for _ in range(2))
     tf_compat.own_collective_keys(first)

@@ -118,6 +118,40 @@ def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
     assert int(model.optimizer.iterations.numpy()) >= 7  # The failed first step's batch alone is lost.
 
 
+def _synchronized_batch_norm(strategy, synchronized=True):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        hidden = [keras.layers.Dense(16), keras.layers.BatchNormalization(synchronized=synchronized)]
+        model = keras.Sequential([keras.Input((8,)), *hidden, keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    return model
+
+
+@pytest.mark.parametrize("probed", [True, False])
+def test_a_layer_that_all_reduces_in_its_forward_pass_trains_without_xla_on_cpu_replicas(
+    mirrored, monkeypatch, caplog, probed
+):
+    """BatchNormalization(synchronized=True) all-reduces its moments across replicas with a merge call, which a
+    compiled function refuses (and XLA compiles no ring all-reduce on CPUs): the up-front probe, or where it
+    missed it the first step, says so by the layer's name and trains without XLA, as jit_compile=False does."""
+    if not probed:
+        monkeypatch.setattr(xla, "probe", lambda *_: None)
+    monkeypatch.setattr(xla, "_PROBES", {})
+    expected = _synchronized_batch_norm(mirrored)
+    tfmp.fit(expected, regression_data(), epochs=2, jit_compile=False, verbose=0)
+    model = _synchronized_batch_norm(mirrored)
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=2, jit_compile=True, verbose=0)
+    assert history.params["jit_compile"] is False
+    warnings = [r.getMessage() for r in caplog.records if "XLA cannot compile" in r.getMessage()]
+    assert len(warnings) == 1 and "BatchNormalization" in warnings[0] and "all-reduces" in warnings[0]
+    if probed:  # All of it trained: the same weights as without XLA. (A failed first step loses its batch.)
+        for a, b in zip(model.weights, expected.weights, strict=True):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=0, atol=1e-6)
+        plain = _synchronized_batch_norm(mirrored, synchronized=False)  # Not refused by the verdict above.
+        assert tfmp.fit(plain, regression_data(), epochs=1, jit_compile=True, verbose=0).params["jit_compile"]
+
+
 def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
     """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
     XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""

@@ -7,7 +7,6 @@ reduced, unscaled gradients, and applied. Under loss scaling the update is skipp
 reduced gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
-import contextlib
 import itertools
 
 import keras
@@ -126,10 +125,6 @@ class Steps:
         tpu = distribute.strategy_name(self.strategy) == "tpu"
         # TPUs compile the whole replica function anyway: there the stages stay plain.
         self._split = not one and not tpu
-        # Mirrored replicas update their own copies from the same reduced gradients: no merge call, which fails
-        # under XLA and in the cond of an optimizer's own accumulation or average overwrite (keras#20582).
-        mirrored = distribute.strategy_name(self.strategy) in ("mirrored", "multi_worker")
-        self._local_updates = tf_compat.replica_local_updates if mirrored else lambda *_: contextlib.nullcontext()
         self._step = jit(self._packed_update) if one else self._packed_update
         self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
@@ -150,7 +145,7 @@ class Steps:
             return fn(*args)
         try:
             out = fn(*args)
-        except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError) as e:
+        except xla.COMPILE_ERRORS as e:
             if not xla.is_compile_failure(e):
                 raise
             self.fallback = xla.reason(e)
@@ -183,14 +178,18 @@ class Steps:
         if kept is not None:
             return self._call(kept, updates)
         fn = (self._many if updates > 1 else self._one)[gate]
-        kept = calls.Direct(fn.get_concrete_function(iterator), iterator)  # Traced, not yet run.
-        out = self._first_call(self._call, kept, updates)
-        if out is _FAILED:  # XLA failed to compile: the same update without it.
+        traced = self._first_call(self._trace_and_call, fn, iterator, updates)
+        if traced is _FAILED:  # XLA failed to compile (or to trace: a merge call): the same update without it.
             return self.dispatch(iterator, updates, gated)
+        kept, out = traced
         if len(self._concrete) > 8:  # Iterators of epochs gone.
             self._concrete.clear()
         self._concrete[key] = kept
         return out
+
+    def _trace_and_call(self, fn, iterator, updates):
+        kept = calls.Direct(fn.get_concrete_function(iterator), iterator)  # Traced, not yet run.
+        return kept, self._call(kept, updates)
 
     def _call(self, kept, updates):
         if self._lean and updates == 1:  # (Several updates loop outside XLA.)
@@ -278,7 +277,8 @@ class Steps:
         if self.scaled:  # The loss-scale wrapper skips the step on this, not on a check of its own.
             object.__setattr__(self._applier, "all_finite", tf.reduce_all(finite))
         try:
-            with self._local_updates(self._applier.variables, self.strategy):
+            # Mirrored replicas update their own copies: no merge call, which XLA and Keras' accumulation cond refuse.
+            with tf_compat.replica_local_updates(self._applier.variables, self.strategy):
                 self._applier.apply(self._clip(grads, grad_norm), [self.variables[i] for i in self.applied])
         finally:
             if self.scaled:

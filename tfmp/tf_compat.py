@@ -52,6 +52,9 @@ def collective_group_keys(strategy):
     return sorted(strategy.extended._collective_keys._known_groups.values())  # noqa: SLF001
 
 
+_MIRRORED = ("MirroredExtended", "CollectiveAllReduceExtended")  # MirroredStrategy's, MultiWorkerMirroredStrategy's.
+
+
 @contextlib.contextmanager
 def replica_local_updates(variables, strategy=None):
     """Inside the block, updates in replica context of those of `variables` that a strategy
@@ -67,8 +70,12 @@ def replica_local_updates(variables, strategy=None):
     own copy (`MirroredExtended._replica_ctx_update`). tfmp applies every update under a
     (multi-worker) mirrored strategy so, with XLA or without: a merge call cannot run inside
     a function called per replica, nor in the cond of an optimizer's own gradient
-    accumulation or moving-average overwrite.
+    accumulation or moving-average overwrite. A strategy of another kind (one device, TPUs)
+    is left as it is, its variables too.
     """
+    if strategy is not None and type(strategy.extended).__name__ not in _MIRRORED:
+        yield
+        return
     only_first = tf.VariableAggregation.ONLY_FIRST_REPLICA
     changed = []
     for variable in variables:

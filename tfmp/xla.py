@@ -57,6 +57,9 @@ def replica_batch(element_spec, replicas, default_batch=8):
     return tf.nest.map_structure(ones, element_spec)
 
 
+_MERGE_CALL = "`merge_call` called while defining a new graph"
+
+
 def probe(steps, batches):
     """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
     # The forward and backward passes, as Steps compiles them; the rest of the update is
@@ -73,15 +76,25 @@ def probe(steps, batches):
         steps.strategy.run(lower, args=(batches,))  # In a replica context, like the real step.
     except (ValueError, TypeError, tf.errors.OpError) as e:
         return reason(e)
+    except RuntimeError as e:  # A merge call in the compiled function (a layer that syncs replicas).
+        if _MERGE_CALL not in str(e):
+            raise
+        return reason(e)
     finally:
         tf_logger.setLevel(level)
     return None
+
+
+# What a step under XLA raises where XLA cannot compile it (`is_compile_failure` tells which are that).
+COMPILE_ERRORS = (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError, RuntimeError)
 
 
 def is_compile_failure(error):
     """Whether a TensorFlow error raised by a step under XLA says XLA could not compile or
     run it there (the step then falls back to no XLA), not that the step itself is wrong."""
     text = str(error)
+    if isinstance(error, RuntimeError):  # Only a merge call that the compiled step cannot hold.
+        return _MERGE_CALL in text
     return "XLA" in text or "unsupported operations when trying to compile" in text or _elsewhere(text) is not None
 
 
@@ -97,6 +110,10 @@ def reason(error):
         return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
     if unsupported:
         return f"no XLA kernel for {unsupported.group(1)}{_made_at(text)}"
+    if _MERGE_CALL in text:  # TensorFlow makes the call, then XLA could not compile it on CPUs either.
+        layer = re.search(r"when calling (\w+)\.call\(\)", text)
+        who = f"{layer.group(1)} (synchronized=True, say)" if layer else "a layer"
+        return f"{who} all-reduces across replicas in its forward pass, which XLA does not compile on these devices"
     return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
 
 
@@ -261,12 +278,13 @@ def _rule(steps, jit_compile):
 
 
 def _fingerprint(steps, batches):
-    """What a verdict depends on: the model's layers and weights, the batch, the setup
-    (op determinism included: XLA has no deterministic kernel for some gradients)."""
+    """What a verdict depends on: the model's layers (a BatchNormalization's `synchronized` too: it all-reduces)
+    and weights, the batch, the setup (op determinism included: XLA has no deterministic kernel for some gradients)."""
     model = steps.model
+    layers = [model, *keras_compat.sublayers(model)]
     return (
         type(model).__name__,
-        tuple((type(layer).__name__, layer.compute_dtype) for layer in [model, *keras_compat.sublayers(model)]),
+        tuple((type(layer).__name__, layer.compute_dtype, getattr(layer, "synchronized", None)) for layer in layers),
         tuple((tuple(v.shape), v.dtype) for v in model.weights),
         tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches)),
         distribute.strategy_name(steps.strategy),
