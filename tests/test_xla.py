@@ -152,6 +152,47 @@ def test_a_layer_that_all_reduces_in_its_forward_pass_trains_without_xla_on_cpu_
         assert tfmp.fit(plain, regression_data(), epochs=1, jit_compile=True, verbose=0).params["jit_compile"]
 
 
+class Seen(keras.layers.Layer):
+    """Counts the examples it sees in training, in a variable of the given aggregation."""
+
+    def __init__(self, aggregation, **kwargs):
+        super().__init__(**kwargs)
+        self.aggregation = aggregation
+
+    def build(self, shape):
+        self.seen = self.add_weight(shape=(), initializer="zeros", trainable=False, aggregation=self.aggregation)
+
+    def call(self, x, training=False):
+        if training:
+            self.seen.assign_add(keras.ops.cast(keras.ops.shape(x)[0], "float32"))
+        return x
+
+
+def _counting(strategy, aggregation):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), Seen(aggregation), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def test_a_layer_updating_a_mean_variable_is_named_and_its_verdict_is_not_taken_for_a_plain_one(
+    mirrored, monkeypatch, caplog
+):
+    """Updating a variable aggregated by "mean" or "sum" syncs replicas with a merge call, as synchronized
+    BatchNormalization does: the warning says that of the layer, without claiming it is a BatchNormalization; and
+    the same layers and shapes with a variable of aggregation "none" (no sync) compile, the refusal above not being
+    taken for them."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    with caplog.at_level(logging.WARNING):
+        refused = tfmp.fit(_counting(mirrored, "mean"), regression_data(), epochs=1, jit_compile=True, verbose=0)
+    (warning,) = [r.getMessage() for r in caplog.records if "XLA cannot compile" in r.getMessage()]
+    assert "Seen syncs replicas" in warning and "aggregation" in warning and "synchronized" not in warning
+    assert refused.params["jit_compile"] is False
+    assert tfmp.fit(_counting(mirrored, "none"), regression_data(), epochs=1, jit_compile=True, verbose=0).params[
+        "jit_compile"
+    ]
+
+
 def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
     """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
     XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""

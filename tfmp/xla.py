@@ -58,6 +58,7 @@ def replica_batch(element_spec, replicas, default_batch=8):
 
 
 _MERGE_CALL = "`merge_call` called while defining a new graph"
+_NOT_ON_THESE = "which XLA does not compile on these devices"
 
 
 def probe(steps, batches):
@@ -112,8 +113,13 @@ def reason(error):
         return f"no XLA kernel for {unsupported.group(1)}{_made_at(text)}"
     if _MERGE_CALL in text:  # TensorFlow makes the call, then XLA could not compile it on CPUs either.
         layer = re.search(r"when calling (\w+)\.call\(\)", text)
-        who = f"{layer.group(1)} (synchronized=True, say)" if layer else "a layer"
-        return f"{who} all-reduces across replicas in its forward pass, which XLA does not compile on these devices"
+        who = layer.group(1) if layer else "a layer"
+        if who == "BatchNormalization":
+            return f"{who} (synchronized=True) all-reduces across replicas in its forward pass, {_NOT_ON_THESE}"
+        return (
+            f"{who} syncs replicas in its forward pass (an all-reduce, or an update of a variable whose aggregation "
+            f'is "mean" or "sum"), {_NOT_ON_THESE}'
+        )
     return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
 
 
@@ -278,20 +284,26 @@ def _rule(steps, jit_compile):
 
 
 def _fingerprint(steps, batches):
-    """What a verdict depends on: the model's layers (a BatchNormalization's `synchronized` too: it all-reduces)
-    and weights, the batch, the setup (op determinism included: XLA has no deterministic kernel for some gradients)."""
+    """What a verdict depends on: the model's layers, by class (a BatchNormalization's `synchronized` too: it
+    all-reduces), and weights (their aggregation too: updating a "mean" or "sum" one syncs replicas), the batch,
+    the setup (op determinism included: XLA has no deterministic kernel for some gradients)."""
     model = steps.model
     layers = [model, *keras_compat.sublayers(model)]
     return (
-        type(model).__name__,
-        tuple((type(layer).__name__, layer.compute_dtype, getattr(layer, "synchronized", None)) for layer in layers),
-        tuple((tuple(v.shape), v.dtype) for v in model.weights),
+        tuple((_class(layer), layer.compute_dtype, getattr(layer, "synchronized", None)) for layer in layers),
+        tuple((tuple(v.shape), v.dtype, getattr(v, "aggregation", None)) for v in model.weights),
         tuple((tuple(t.shape), t.dtype.name) for t in tf.nest.flatten(batches)),
         distribute.strategy_name(steps.strategy),
         steps.strategy.num_replicas_in_sync,
         type(steps.optimizer).__name__,
         tf_compat.op_determinism(),
     )
+
+
+def _class(layer):
+    """A layer's class by module and name: two layers of one name (a user's Block, say) may compile differently."""
+    kind = type(layer)
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _show(use):
