@@ -2,6 +2,7 @@
 them: model.fit's weights where the order is the same, a seeded batch order that a resumed
 run repeats, the epoch hooks between epochs' loads, and clear errors."""
 
+import itertools
 import time
 import types
 import warnings
@@ -120,6 +121,52 @@ def test_an_endless_py_dataset_and_a_generator_go_on_across_epochs():
     model = regression()
     tfmp.fit(model, generator(), epochs=2, steps_per_epoch=3, verbose=0)  # One generator, 6 of its 8 batches.
     assert int(model.optimizer.iterations.numpy()) == 6
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("steps_per_epoch", [3, 4])
+def test_a_generator_that_runs_out_ends_training_at_its_last_batch(
+    mirrored, caplog, steps_per_epoch, replicas, jit_compile
+):
+    """A generator of 8 batches with steps_per_epoch: with 3, epochs of 3, 3 and 2 batches (the third ends, its
+    logs kept, and training stops with one warning, as Keras fit's "Your input ran out of data"); with 4, two epochs,
+    the third gets none. Either way exactly 8 updates, counted so (the failed read updates nothing, not even the
+    count), the weights those of one epoch over the 8 batches."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    expected = regression(strategy)
+    tfmp.fit(expected, generator(), epochs=1, verbose=0, jit_compile=jit_compile)
+    model = regression(strategy)
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(
+            model, generator(), epochs=4, steps_per_epoch=steps_per_epoch, verbose=0, jit_compile=jit_compile
+        )
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert_same(weights(model), weights(expected), atol=1e-6)
+    (line,) = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    if steps_per_epoch == 3:
+        assert history.epoch == [0, 1, 2] and len(history.history["loss"]) == 3
+        assert line.startswith("data ran out: epoch 3 got 2 of its 3 batches; training stops after it")
+    else:
+        assert history.epoch == [0, 1]
+        assert line.startswith("data ran out: epoch 3 got no batch; training stops")
+
+
+def test_a_dataset_of_one_generator_object_that_runs_out_within_an_epoch_ends_training_there(caplog):
+    """The user's own dataset made of one generator object (tfmp repeats it; its next pass is empty): 6 batches at
+    steps_per_epoch=4 end the second epoch after 2, with advice for a dataset, not for a generator."""
+    batches = itertools.islice(generator(), 6)
+    spec = (tf.TensorSpec((None, 8), tf.float32), tf.TensorSpec((None, 1), tf.float32))
+    data = tf.data.Dataset.from_generator(lambda: batches, output_signature=spec)
+    expected = regression()
+    tfmp.fit(expected, generator(), epochs=1, steps_per_epoch=6, verbose=0, jit_compile=False)
+    model = regression()
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(model, data, epochs=3, steps_per_epoch=4, verbose=0, jit_compile=False)
+    assert history.epoch == [0, 1]
+    assert_same(weights(model), weights(expected), atol=1e-6)
+    (line,) = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    assert "epoch 2 got 2 of its 4 batches" in line and "give from_generator a function that makes" in line
 
 
 def test_batches_of_a_list_of_inputs_train_as_arrays_do():

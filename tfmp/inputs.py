@@ -83,6 +83,18 @@ class Input:
     def streamed(self):
         return self.period is not None
 
+    @property
+    def may_end(self):
+        """Whether a read may find the input's end: each epoch of unknown length ends so, and a generator's
+        stream (it runs once) within an epoch. (A dataset of the user's that repeating does not make endless,
+        one made from a generator object, is not told apart: its reads go ungated, as the waits cost.)"""
+        return not self.streamed or self.generator
+
+    @property
+    def generator(self):
+        """Whether the input is a Python generator's batches (which run once)."""
+        return pydata.runs_once(self._given)
+
     def _distribute(self, skip, repeat):
         if self.fn is not None:
             # A callable that takes `skip` (global batches) skips by itself, cheaply (before

@@ -29,6 +29,7 @@ _BEGIN, _END = -1, -2  # An epoch's hooks, as indices among a PyDataset's batche
 _warned = set()
 END_HOOK_SECONDS = 60.0  # How long `tfmp.fit` waits for the last end hook (`end_hooks_ran`).
 _HOOKED = weakref.WeakKeyDictionary()  # A dataset made here -> its PyDataset's `_Loader`, where it has hooks.
+_ONCE = weakref.WeakSet()  # The datasets made here of generators: they end, repeated or not.
 
 
 def is_python_data(data):
@@ -62,7 +63,9 @@ def to_dataset(data, shuffle, seed, name="data", default_shuffle=False):
         batches = itertools.chain([first], data)  # One generator: every pass continues it.
         flat = (tuple(_flat(_standard(b, name), spec)) for b in batches)
         ds = tf.data.Dataset.from_generator(lambda: flat, output_signature=tuple(tf.nest.flatten(spec)))
-        return ds.map(lambda *leaves: tf.nest.pack_sequence_as(spec, leaves)).prefetch(tf.data.AUTOTUNE)
+        ds = ds.map(lambda *leaves: tf.nest.pack_sequence_as(spec, leaves)).prefetch(tf.data.AUTOTUNE)
+        _ONCE.add(ds)
+        return ds
     return _from_py_dataset(data, default_shuffle if shuffle is None else shuffle, seed, name)
 
 
@@ -99,6 +102,11 @@ def _from_py_dataset(data, shuffle, seed, name):
     if hooks:
         _HOOKED[ds] = loader
     return ds
+
+
+def runs_once(dataset):
+    """Whether `dataset` was made here of a generator: its stream ends, however often it is repeated."""
+    return isinstance(dataset, tf.data.Dataset) and dataset in _ONCE
 
 
 def end_hooks_ran(dataset, batches, timeout):

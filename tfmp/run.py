@@ -36,10 +36,16 @@ def first_non_finite_gradient(steps, finite):
     return next((steps.variables[i].path for i, ok in zip(steps.applied, finite, strict=True) if not ok), None)
 
 
-def runs_once(steps_arg):
-    """What to do where an input gave a pass no batch: `steps_arg` names the argument that
-    bounds a generator without end (steps_per_epoch, validation_steps, steps)."""
-    return f"a generator runs once: give a dataset, a PyDataset, arrays, or a generator without end and {steps_arg}"
+def runs_once(steps_arg, generator=True):
+    """What to do where an input gave a pass no batch, or a stream (`steps_arg` given) ended: `steps_arg` names
+    the argument that bounds a generator without end (steps_per_epoch, validation_steps, steps). Not a
+    `generator`: a dataset, which tfmp repeats, whose next pass was empty."""
+    if generator:
+        return f"a generator runs once: give a dataset, a PyDataset, arrays, or a generator without end and {steps_arg}"
+    return (
+        "the dataset's next pass held nothing, as one made of a generator object does: give from_generator a "
+        f"function that makes the generator anew, or fewer {steps_arg} x epochs"
+    )
 
 
 class _Update(typing.NamedTuple):
@@ -123,19 +129,31 @@ class Run:
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
                 if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
-                    advice = runs_once("steps_per_epoch")
+                    advice = runs_once("steps_per_epoch", source.generator or not source.streamed)
                     logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, advice)
                     break
-                if source.streamed and not model.stop_training:
+                ran_out = source.streamed and done < source.steps and not model.stop_training
+                if ran_out:  # A stream that ends (a generator's) ended within the epoch: it ends there, as in Keras.
+                    logging.warning(
+                        "data ran out: epoch %d got %d of its %d batches; training stops after it (%s)",
+                        epoch + 1,
+                        done,
+                        source.steps,
+                        runs_once("steps_per_epoch", source.generator),
+                    )
+                elif source.streamed and not model.stop_training:
                     # Batches past the last whole update (a length that grad_accum_steps
                     # does not divide) are drawn and left out: every epoch starts on time.
                     for _ in range(source.period - done):
-                        next(iterator)
+                        if next(iterator, None) is None:  # (The next epoch then gets none.)
+                            break
                 epoch_logs = dict(logs or steps.results())
                 if self.val_input is not None and validates(epoch, validation_freq):
                     epoch_logs.update(self._validate(epoch))
                 epoch, offset = epoch + 1, 0
-                self._end_epoch(epoch - 1, epoch_logs)
+                self._end_epoch(epoch - 1, epoch_logs, save=not ran_out)  # (Its position is no epoch's start.)
+                if ran_out:
+                    break
                 if stop.is_set() and not model.stop_training:  # It came after the epoch's updates: saved at its end.
                     raise stop.error(self.step, self.saver.directory)
         self._end(epochs, epoch > first and epoch == epochs, epoch_logs)
@@ -175,9 +193,9 @@ class Run:
         if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
             held.assign(kept)  # that halves the rate each epoch must not halve it twice.
 
-    def _end_epoch(self, epoch, logs):
+    def _end_epoch(self, epoch, logs, save=True):
         """The callbacks' on_epoch_end, then the epoch's checkpoint (unless it was stopped within)."""
-        stopped = self.model.stop_training  # Stopped during the epoch: no save.
+        stopped = self.model.stop_training or not save  # Stopped during the epoch: no save.
         self.callbacks.on_epoch_end(epoch, logs)
         if self.saver is not None and not stopped:  # After the callbacks: what they changed (the learning
             # rate), their state, and whether one ended the run.
@@ -229,10 +247,12 @@ class Run:
         behind = self._reads_behind(handler)
         done, logs, pending = offset, None, None
         while total is None or done < total:
-            updates = k if total is not None and total - done >= k * n else 1
+            # One update a call where a read may end the input: the updates before it in the call would be lost.
+            whole = total is not None and total - done >= k * n and not self.input.may_end
+            updates = k if whole else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                packed = steps.dispatch(iterator, updates, gated=not self.input.streamed)
+                packed = steps.dispatch(iterator, updates, gated=self.input.may_end)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.
