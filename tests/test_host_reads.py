@@ -97,6 +97,28 @@ def test_an_update_is_read_after_the_next_is_queued(monkeypatch):
     assert events == ["queue", "read"] * 3  # A callback with batch hooks sees each update end before the next.
 
 
+def test_a_lambda_callbacks_batch_hook_stops_training_where_model_fit_stops():
+    """A LambdaCallback's hooks are set on the instance, not its class: its batch hook must be seen as one, so that
+    each update ends before the next is queued, and a stop it asks for at batch 2 stops after 3 updates, as in
+    model.fit (reading behind, a fourth was queued and ran, and the hook saw batch 3)."""
+    ends = {}
+    for trainer in ("keras", "tfmp"):
+        model, seen = _model(), []
+
+        def stop_at_2(batch, logs, model=model, seen=seen):
+            seen.append(batch)
+            model.stop_training = batch == 2
+
+        stop = keras.callbacks.LambdaCallback(on_train_batch_end=stop_at_2)
+        fit = dict(steps_per_epoch=6, epochs=2, verbose=0, callbacks=[stop])
+        if trainer == "keras":
+            model.fit(_data(), **fit)
+        else:
+            tfmp.fit(model, _data(), jit_compile=False, **fit)
+        ends[trainer] = (seen, int(model.optimizer.iterations.numpy()))
+    assert ends["tfmp"] == ends["keras"] == ([0, 1, 2], 3)
+
+
 def test_a_checkpoint_holds_exactly_the_updates_it_counts(tmp_path, monkeypatch):
     """Reading behind, the loop still stops at a checkpoint: its weights are those after
     its step, not after one more update."""

@@ -68,9 +68,11 @@ def peak_memory_mb():
 
 
 def overrides(callbacks, hook, ignore=()):
-    """Whether one of `callbacks` (Keras callbacks), not of the types `ignore`, has a `hook` of its own."""
+    """Whether one of `callbacks` (Keras callbacks), not of the types `ignore`, has a `hook` of its own: by its
+    class, or set on the callback itself (a LambdaCallback's hooks are)."""
     base = getattr(keras.callbacks.Callback, hook)
-    return any(getattr(type(c), hook) is not base for c in callbacks if not isinstance(c, ignore))
+    own = (c for c in callbacks if not isinstance(c, ignore))
+    return any(hook in getattr(c, "__dict__", {}) or getattr(type(c), hook) is not base for c in own)
 
 
 def first_non_finite(variables):
