@@ -6,10 +6,12 @@ import json
 import math
 import os
 
+import keras
+import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import tf_compat
+from tfmp import keras_compat, tf_compat
 from tfmp.errors import UsageError, first_line
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
@@ -280,3 +282,55 @@ def check_divides(global_batch, replicas, what="global batch size"):
             f"{what}{'=' if what.startswith('--') else ' '}{global_batch} does not divide by the {replicas} replicas; "
             f"use a multiple of {replicas} such as {lower or upper} or {upper}"
         )
+
+
+def batch_statistics(model):
+    """The first layer of `model` that computes statistics over each replica's batch as it trains (a trainable
+    BatchNormalization, not synchronized across replicas), or None. Over a batch of no example they are NaN."""
+    for layer in keras_compat.sublayers(model):
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable and not layer.synchronized:
+            return layer
+    return None
+
+
+def leaves_a_replica_none(examples, batch, strategy, statistics):
+    """Whether the last batch of `examples` arrays, fewer than the replicas, would leave a replica none, where the layer
+    `statistics` would make NaN of them (on that replica's copy of its moving statistics, the others' unaware).
+    Keras fit trains to NaN so; tfmp leaves that batch out, saying so."""
+    short, replicas = examples % batch, strategy.num_replicas_in_sync
+    if statistics is None or not 0 < short < replicas:
+        return False
+    logging.warning(
+        "the last batch of each epoch would hold %d of the %d examples for %d replicas: a replica would get none, "
+        "and %s's statistics over no example are NaN; that batch is left out (other examples each epoch where "
+        "shuffled; a batch_size that leaves no such remainder keeps them all)",
+        short,
+        examples,
+        replicas,
+        statistics.name,
+    )
+    return True
+
+
+def starved_statistics(model, strategy):
+    """Where a batch of fewer examples than replicas (a dataset's last, batched without drop_remainder) left a
+    replica none: the first `batch_statistics` layer whose moving statistics are non-finite in a replica's copy
+    (only that copy: each replica updates its own), as a cause to tell the user; None where none is, or on one
+    replica."""
+    statistics = batch_statistics(model) if strategy.num_replicas_in_sync > 1 else None
+    if statistics is None:
+        return None
+    for layer in keras_compat.sublayers(model):
+        if not (isinstance(layer, keras.layers.BatchNormalization) and layer.trainable and not layer.synchronized):
+            continue
+        for variable in layer.non_trainable_weights:
+            copies = strategy.experimental_local_results(variable.value)
+            broken = [k for k, copy in enumerate(copies) if not np.isfinite(copy.numpy()).all()]
+            if broken:
+                return (
+                    f"{layer.name}'s moving statistics are non-finite on replica {broken[0]}: if a batch held fewer "
+                    f"examples than the {len(copies)} replicas (a dataset's last, batched without drop_remainder), "
+                    "that replica got none, and its statistics over no example are NaN (batch with "
+                    "drop_remainder=True, or so that no last batch is that small)"
+                )
+    return None

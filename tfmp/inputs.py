@@ -159,12 +159,14 @@ def datasets(
     validation_steps=None,
     validation_batch_size=None,
     targets=True,
+    statistics=None,
 ):
     """(training data, validation data) as datasets (or callables), from arrays, PyDatasets
     or generators as `model.fit` takes them (arrays and PyDatasets shuffled by default where
     `training`); a dataset as it is, where no argument for arrays is given. Without
     `targets` (a model with no compiled loss: its layers add theirs), arrays may be inputs
-    alone, `x` or `(x,)`, as `model.fit(x)` takes them. Arrays without a
+    alone, `x` or `(x,)`, as `model.fit(x)` takes them. `statistics`: the model's layer that
+    computes statistics over each replica's batch (`distribute.batch_statistics`). Arrays without a
     batch size are batched as Keras batches them: in `steps` batches where `steps` is given
     (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
     data, y, sample_weight, validation_data = (numpy_leaves(a) for a in (data, y, sample_weight, validation_data))
@@ -212,7 +214,9 @@ def datasets(
         arrays, validation_data = split_arrays(arrays, validation_split)
     _check_validation_batch(validation_batch_size, validation_data)
     order = training if shuffle is None else shuffle
-    train = from_arrays(arrays, batch_size or keras_batch(arrays, steps), order, seed, drop_remainder=tpu)
+    batch = batch_size or keras_batch(arrays, steps)
+    drop = tpu or distribute.leaves_a_replica_none(num_examples(arrays), batch, strategy, statistics)
+    train = from_arrays(arrays, batch, order, seed, drop_remainder=drop)
     if is_arrays(validation_data):
         batch = validation_batch_size or batch_size or keras_batch(validation_data, validation_steps)
         validation_data = from_arrays(validation_data, batch, drop_remainder=tpu)

@@ -183,6 +183,7 @@ def fit(
         validation_steps=validation_steps,
         validation_batch_size=validation_batch_size,
         targets=inputs.needs_targets(model),
+        statistics=distribute.batch_statistics(model),
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None

@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import doctor, guards, inputs, keras_compat, loss_scale, pydata
+from tfmp import distribute, doctor, guards, inputs, keras_compat, loss_scale, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -127,6 +127,12 @@ class Run:
                 if not source.streamed:
                     iterator = source.epoch(offset)
                 logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                # Loss-scaled, the update was skipped and nothing else shows it. (One worker: all stop alike.)
+                starved = distribute.num_workers(steps.strategy) == 1 and distribute.starved_statistics(
+                    model, steps.strategy
+                )
+                if starved:
+                    raise TrainingError(f"after epoch {epoch + 1}: {starved}; training stopped")
                 if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
                     advice = runs_once("steps_per_epoch", source.generator or not source.streamed)
@@ -320,7 +326,9 @@ class Run:
             checked=self.steps.grad_norm,
         )
         if message:
-            message = f"{message}. Replay of the failing batch: {self._replay(update.position - update.batches)}"
+            starved = distribute.starved_statistics(self.model, self.steps.strategy)
+            cause = starved or f"Replay of the failing batch: {self._replay(update.position - update.batches)}"
+            message = f"{message}. {cause}"
             if not self.nan_ends:
                 raise TrainingError(message)
             logging.warning("%s", message)
