@@ -366,6 +366,41 @@ def test_auto_turns_xla_on_for_float16_compute_on_any_device(monkeypatch):
     assert history.params["jit_compile_reason"].startswith("auto: GPUs: on" if gpu else "auto: CPUs: on for float16")
 
 
+def test_auto_and_autotune_turn_xla_off_where_the_shapes_vary_beyond_the_batch(monkeypatch):
+    """Sequences padded per batch (padded_batch): XLA compiles the step anew for each length (mixed_float16 on this
+    CPU, 20 batches of 3-39 tokens: 4.8 s against 0.4 without it), and a timing of one shape would not see that:
+    "auto" and "autotune" say off and why, without timing; jit_compile=True still compiles."""
+    monkeypatch.setattr(xla, "measure", lambda *_: pytest.fail("timed a step whose shapes vary"))
+    keras.config.set_dtype_policy("mixed_float16")  # Where "auto" says on, on any device.
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 12, 64)
+    tokens = [rng.integers(1, 50, n).astype(np.int32) for n in lengths]
+    data = tf.data.Dataset.from_generator(
+        lambda: ((t, np.float32(len(t) % 2)) for t in tokens),
+        output_signature=(tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.float32)),
+    ).padded_batch(16)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        embed = keras.layers.Embedding(50, 8, mask_zero=True)
+        layers = [
+            keras.Input((None,), dtype="int32"),
+            embed,
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ]
+        built = keras.Sequential(layers)
+        built.compile(keras.optimizers.SGD(0.01), "mse")
+        return built
+
+    for choice in ("auto", "autotune"):
+        history = tfmp.fit(model(), data, epochs=1, verbose=0, jit_compile=choice)
+        assert history.params["jit_compile"] is False
+        reason = history.params["jit_compile_reason"]
+        assert reason.startswith(f"{choice}: off: the data's shapes vary beyond the batch ((None, None))"), reason
+    assert tfmp.fit(model(), data, epochs=1, verbose=0, jit_compile=True).params["jit_compile"] is True
+
+
 def test_auto_follows_a_choice_the_models_compile_made(monkeypatch):
     """As model.fit: a model compiled with jit_compile=True where Keras' own "auto" says off
     (a CPU) trains with XLA, one compiled with False where it says on (a GPU) without;

@@ -230,6 +230,13 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
     if not all(isinstance(s, tf.TensorSpec) for s in tf.nest.flatten(element_spec)):
         steps.compile(False)
         return False, "the inputs are not all dense tensors (ragged or sparse)"
+    varying = [tuple(s.shape) for s in tf.nest.flatten(element_spec) if None in tuple(s.shape)[1:]]
+    if jit_compile is not True and varying:  # "auto" or "autotune" (a timing of one shape would not see it).
+        steps.compile(False)
+        return False, (
+            f"{jit_compile}: off: the data's shapes vary beyond the batch ({varying[0]}), and XLA would compile the "
+            "step anew for each (pad to fixed lengths, or jit_compile=True)"
+        )
     ruled = jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or tf_compat.op_determinism()
     if jit_compile is not True and ruled:  # The rule's answer stands unless XLA cannot compile the model.
         use, why = _rule(steps, jit_compile)
