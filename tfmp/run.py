@@ -250,15 +250,14 @@ class Run:
         """
         model, steps, n = self.model, self.steps, self.n
         k, total = steps.steps_per_execution, self.input.steps  # total None: until the input runs out.
-        behind = self._reads_behind(handler)
+        behind, may_end = self._reads_behind(handler), self.input.may_end
         done, logs, pending = offset, None, None
         while total is None or done < total:
             # One update a call where a read may end the input: the updates before it in the call would be lost.
-            whole = total is not None and total - done >= k * n and not self.input.may_end
-            updates = k if whole else 1
+            updates = k if total is not None and total - done >= k * n and not may_end else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                packed = steps.dispatch(iterator, updates, gated=self.input.may_end)
+                packed = steps.dispatch(iterator, updates, gated=may_end)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.
