@@ -287,10 +287,15 @@ def check_divides(global_batch, replicas, what="global batch size"):
 def batch_statistics(model):
     """The first layer of `model` that computes statistics over each replica's batch as it trains (a trainable
     BatchNormalization, not synchronized across replicas), or None. Over a batch of no example they are NaN."""
-    for layer in keras_compat.sublayers(model):
-        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable and not layer.synchronized:
-            return layer
-    return None
+    return next(iter(_batch_statistics(model)), None)
+
+
+def _batch_statistics(model):
+    return [
+        layer
+        for layer in keras_compat.sublayers(model)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable and not layer.synchronized
+    ]
 
 
 def leaves_a_replica_none(examples, batch, strategy, statistics):
@@ -317,12 +322,9 @@ def starved_statistics(model, strategy):
     replica none: the first `batch_statistics` layer whose moving statistics are non-finite in a replica's copy
     (only that copy: each replica updates its own), as a cause to tell the user; None where none is, or on one
     replica."""
-    statistics = batch_statistics(model) if strategy.num_replicas_in_sync > 1 else None
-    if statistics is None:
+    if strategy.num_replicas_in_sync == 1:
         return None
-    for layer in keras_compat.sublayers(model):
-        if not (isinstance(layer, keras.layers.BatchNormalization) and layer.trainable and not layer.synchronized):
-            continue
+    for layer in _batch_statistics(model):
         for variable in layer.non_trainable_weights:
             copies = strategy.experimental_local_results(variable.value)
             broken = [k for k, copy in enumerate(copies) if not np.isfinite(copy.numpy()).all()]
