@@ -78,7 +78,7 @@ def probe(steps, batches):
     except (ValueError, TypeError, tf.errors.OpError) as e:
         return reason(e)
     except RuntimeError as e:  # A merge call in the compiled function (a layer that syncs replicas).
-        if _MERGE_CALL not in str(e):
+        if not is_compile_failure(e):
             raise
         return reason(e)
     finally:
