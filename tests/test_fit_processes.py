@@ -87,6 +87,33 @@ def test_two_worker_processes_match_one_process(tmp_path):
         assert_same(load(tmp_path / f"w{i}.npz"), load(tmp_path / "one.npz"))
 
 
+@pytest.mark.parametrize("when", ["train_batch:3", "epoch:0"])
+def test_a_stop_one_worker_asks_for_stops_every_worker_after_the_same_update(tmp_path, monkeypatch, when):
+    """A callback that sets `model.stop_training` on worker 0 alone (a time limit, say), within an
+    epoch or at its end: both workers stop after the same update, where worker 1 alone went on to
+    wait for worker 0 in the next all-reduce (and lost it as a peer)."""
+    monkeypatch.setenv("USER_SCRIPT_STOP", when)  # For the workers start_workers starts.
+    results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]))
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    np.testing.assert_array_equal(*(np.concatenate([w.ravel() for w in load(tmp_path / f"w{i}.npz")]) for i in (0, 1)))
+    for i in range(2):  # Stopped within the first of 3 epochs, or at its end.
+        with open(tmp_path / f"w{i}.npz.history.json") as f:
+            assert len(json.load(f)["loss"]) == 1
+
+
+def test_a_generator_that_runs_out_on_one_worker_first_ends_both_workers(tmp_path, monkeypatch):
+    """Worker 0's generator ends three batches before worker 1's: worker 0 stops there with a
+    warning and joins no collective worker 1 cannot join (validation, a vote on stopping), so
+    worker 1 loses it as a peer and says so, where both would wait for each other for ever."""
+    monkeypatch.setenv("USER_SCRIPT_DATA", "uneven")  # For the workers start_workers starts.
+    (code0, _, err0), (code1, _, err1) = wait_all(
+        start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]), timeout=120
+    )
+    assert code0 == 0 and "a worker cannot tell whether the others ran out too" in err0, err0[-3000:]
+    assert code1 == 76 and "worker 0 stopped answering" in err1, err1[-3000:]
+
+
 @pytest.mark.parametrize("kind", ["arrays", "pydataset"])
 def test_arrays_and_py_datasets_on_two_worker_processes_match_one_process(tmp_path, monkeypatch, kind):
     """model.fit's arrays (shuffled by tfmp, a validation split), or a PyDataset (its batch

@@ -5,10 +5,13 @@
 USER_SCRIPT_PRECISION=float8 in the environment trains it under that policy and also saves
 the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores its weights and
 optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
+USER_SCRIPT_STOP=train_batch:N (or epoch:N) has worker 0 alone set `model.stop_training` at the end of its
+batch (or epoch) N, as a callback with a time limit might.
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
 USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
 batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
-on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp).
+on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp); =uneven as a generator of
+batches that runs out in the second epoch, on worker 0 three batches before the others.
 
 The History of the epochs it trained goes to OUT.history.json. OUT may hold `{worker}`: the
 worker's index (0 without TF_CONFIG), for jobs whose workers all get the same arguments
@@ -84,6 +87,18 @@ class Slow(keras.callbacks.Callback):
         time.sleep(self.seconds)
 
 
+def stop_on_worker_0(index, when):
+    """A callback that stops training on worker `index` 0 only, at the end of batch or epoch N (`when`)."""
+    hook, at = when.split(":")
+
+    def stop(number, logs=None):
+        if index == 0 and number == int(at):
+            callback.model.stop_training = True
+
+    callback = keras.callbacks.LambdaCallback(**{f"on_{hook}_end": stop})
+    return callback
+
+
 if __name__ == "__main__":
     index = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     out = sys.argv[1].format(worker=index)
@@ -102,6 +117,10 @@ if __name__ == "__main__":
         given = {"data": arrays()[0], "y": arrays()[1], "batch_size": batch, "validation_split": 0.25}
     elif os.environ.get("USER_SCRIPT_DATA") == "pydataset":
         given = {"data": Batches(batch), "validation_data": Batches(batch, n=2 * batch)}
+    elif os.environ.get("USER_SCRIPT_DATA") == "uneven":
+        batches = Batches(batch)
+        passes = (batches[i % len(batches)] for i in range(len(batches) + (3 if index == 0 else len(batches))))
+        given = {"data": passes, "steps_per_epoch": len(batches)}
     else:  # Validation of unknown length (filter): fine on several workers too.
         given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
     try:
@@ -114,7 +133,9 @@ if __name__ == "__main__":
             jit_compile={"1": True, "0": False}.get(os.environ.get("USER_SCRIPT_JIT_COMPILE"), "auto"),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=4,
-            callbacks=[Slow(seconds)],
+            callbacks=[stop_on_worker_0(index, os.environ["USER_SCRIPT_STOP"])]
+            if "USER_SCRIPT_STOP" in os.environ
+            else [Slow(seconds)],
             verbose=0,
         )
     except tfmp.Preempted as e:  # SIGTERM: a checkpoint was saved; exit "temporary failure".

@@ -157,6 +157,19 @@ def num_workers(strategy):
     return tf_compat.num_workers(strategy)
 
 
+def worker_vote(strategy):
+    """A function of a bool: whether it holds on any worker. Under several workers each call
+    is a collective, which every worker must reach at the same point."""
+    if num_workers(strategy) == 1:
+        return bool
+
+    @tf.function(autograph=False)
+    def votes(flag):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.identity(flag)), axis=None)
+
+    return lambda flag: float(votes(tf.constant(1.0 if flag else 0.0))) > 0
+
+
 def is_chief(strategy):
     """Whether this process should write checkpoints, logs and metrics."""
     resolver = getattr(strategy, "cluster_resolver", None)

@@ -60,9 +60,17 @@ class _Update(typing.NamedTuple):
     updates: int
 
 
+_ALONE = ", without its validation or on_epoch_end: a worker cannot tell whether the others ran out too"
 _HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 # Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
 _BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
+# Keras' callbacks whose batch hooks never stop training (these exactly, not a subclass).
+_NEVER_STOP = (
+    *_BEHIND_SAFE,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.BackupAndRestore,
+)
 
 
 def _learning_rate(optimizer):
@@ -92,6 +100,12 @@ class Run:
         self.monitor = None
         self.step = 0  # Batches trained, over all epochs.
         self.validation_ran_out = False
+        # Several workers agree on a stop (`_stops`): after each update where a callback has batch hooks.
+        self.several = distribute.num_workers(steps.strategy) > 1
+        self.vote = distribute.worker_vote(steps.strategy)
+        may_stop = [c for c in self.callbacks.callbacks if type(c) not in _NEVER_STOP]
+        hooked = any(tfmp_callbacks.overrides(may_stop, hook) for hook in _HOOKS)
+        self.agree_each_batch = self.several and hooked
         # A non-finite loss raises TrainingError; with keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
         self.nan_ends = any(
             isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
@@ -141,12 +155,15 @@ class Run:
                 ran_out = source.streamed and done < source.steps and not model.stop_training
                 if ran_out:  # A stream that ends (a generator's) ended within the epoch: it ends there, as in Keras.
                     logging.warning(
-                        "data ran out: epoch %d got %d of its %d batches; training stops after it (%s)",
+                        "data ran out: epoch %d got %d of its %d batches; training stops after it%s (%s)",
                         epoch + 1,
                         done,
                         source.steps,
+                        _ALONE if self.several else "",
                         runs_once("steps_per_epoch", source.generator),
                     )
+                    if self.several:  # No collective (validation, a vote) that a worker still training would not join.
+                        break
                 elif source.streamed and not model.stop_training:
                     # Batches past the last whole update (a length that grad_accum_steps
                     # does not divide) are drawn and left out: every epoch starts on time.
@@ -187,6 +204,16 @@ class Run:
                 ended + 1,
             )
             model.stop_training = True
+        self._stops()
+
+    def _stops(self, batch=False):
+        """Whether training stops here (`model.stop_training`), agreed by every worker where there are
+        several: a stop one worker's callback asks for (a time limit, say) stops all after the same update,
+        where alone it would leave the others waiting in the next all-reduce. After an update (`batch`), only
+        where a callback has batch hooks; the others agree at the run's and each epoch's begin and end."""
+        if self.several and (self.agree_each_batch or not batch):
+            self.model.stop_training = self.vote(self.model.stop_training)
+        return self.model.stop_training
 
     def _begin_epoch(self, epoch, offset):
         """The metrics reset and the callbacks' on_epoch_begin; resumed within the epoch (`offset` batches in),
@@ -198,11 +225,13 @@ class Run:
         self.callbacks.on_epoch_begin(epoch)
         if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
             held.assign(kept)  # that halves the rate each epoch must not halve it twice.
+        self._stops()
 
     def _end_epoch(self, epoch, logs, save=True):
         """The callbacks' on_epoch_end, then the epoch's checkpoint (unless it was stopped within)."""
         stopped = self.model.stop_training or not save  # Stopped during the epoch: no save.
         self.callbacks.on_epoch_end(epoch, logs)
+        self._stops()
         if self.saver is not None and not stopped:  # After the callbacks: what they changed (the learning
             # rate), their state, and whether one ended the run.
             self.saver.callbacks.stopped = epoch if self.model.stop_training else None
@@ -284,7 +313,7 @@ class Run:
                 raise stop.error(self.step, self.saver.directory)
             if due:
                 self._save(epoch, position)
-            if model.stop_training:
+            if self._stops(batch=True):
                 break
         if pending is not None:
             logs = self._finish(pending)
@@ -300,8 +329,8 @@ class Run:
         multi-worker preemption (whose checkpoint must hold exactly the updates it counts),
         nor for a callback with batch hooks of its own, which may change the model or the
         optimizer between two updates, as under `model.fit` (unless it says `async_safe`,
-        as Keras lets a callback say)."""
-        if handler is not None:
+        as Keras lets a callback say), nor where the workers vote on a stop after each update."""
+        if handler is not None or self.agree_each_batch:
             return False
         unsafe = [c for c in self.callbacks.callbacks if not getattr(c, "async_safe", False)]
         return not any(tfmp_callbacks.overrides(unsafe, hook, _BEHIND_SAFE) for hook in _HOOKS)
