@@ -114,6 +114,25 @@ def test_a_generator_that_runs_out_on_one_worker_first_ends_both_workers(tmp_pat
     assert code1 == 76 and "worker 0 stopped answering" in err1, err1[-3000:]
 
 
+def test_keras_file_writing_callbacks_on_two_workers_write_the_chiefs_files_alone(tmp_path, monkeypatch):
+    """ModelCheckpoint (.weights.h5), CSVLogger, TensorBoard and BackupAndRestore given to both
+    workers with the same paths: the chief's files are there, once; the other worker's went to
+    a temporary directory (two processes writing one .weights.h5 fail on HDF5's lock)."""
+    monkeypatch.setenv("USER_SCRIPT_CALLBACKS", str(tmp_path / "out"))  # For the workers start_workers starts.
+    for code, _, err in wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"])):
+        assert code == 0, err[-3000:]
+    assert len(list((tmp_path / "out" / "tb" / "train").iterdir())) == 1  # One event file: the chief's.
+    assert len((tmp_path / "out" / "log.csv").read_text().splitlines()) == 1 + 3  # Its header and 3 epochs.
+    assert sorted(p.name for p in (tmp_path / "out" / "backup").iterdir())[-2:] == [
+        "latest.weights.h5",
+        "training_metadata.json",
+    ]
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import user_script  # noqa: PLC0415 - the workers' model, to load the chief's weights into.
+
+    user_script.build(0).load_weights(tmp_path / "out" / "w.weights.h5")
+
+
 @pytest.mark.parametrize("kind", ["arrays", "pydataset"])
 def test_arrays_and_py_datasets_on_two_worker_processes_match_one_process(tmp_path, monkeypatch, kind):
     """model.fit's arrays (shuffled by tfmp, a validation split), or a PyDataset (its batch

@@ -7,6 +7,9 @@ the float8 state (scales, amax histories) to OUT.float8.npz; =bfloat16 stores it
 optimizer state in bfloat16 (Kahan-compensated), saved as float32 (exactly).
 USER_SCRIPT_STOP=train_batch:N (or epoch:N) has worker 0 alone set `model.stop_training` at the end of its
 batch (or epoch) N, as a callback with a time limit might.
+USER_SCRIPT_CALLBACKS=DIR adds Keras' file-writing callbacks, all writing under DIR: ModelCheckpoint
+(DIR/w.weights.h5, every 2 batches), CSVLogger (DIR/log.csv), TensorBoard (DIR/tb), BackupAndRestore
+(DIR/backup, every 2 batches, kept).
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
 USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
 batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
@@ -99,6 +102,15 @@ def stop_on_worker_0(index, when):
     return callback
 
 
+def file_writers(directory):
+    return [
+        keras.callbacks.ModelCheckpoint(os.path.join(directory, "w.weights.h5"), save_weights_only=True, save_freq=2),
+        keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+        keras.callbacks.TensorBoard(os.path.join(directory, "tb")),
+        keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"), save_freq=2, delete_checkpoint=False),
+    ]
+
+
 if __name__ == "__main__":
     index = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     out = sys.argv[1].format(worker=index)
@@ -135,6 +147,8 @@ if __name__ == "__main__":
             checkpoint_every=4,
             callbacks=[stop_on_worker_0(index, os.environ["USER_SCRIPT_STOP"])]
             if "USER_SCRIPT_STOP" in os.environ
+            else [Slow(seconds), *file_writers(os.environ["USER_SCRIPT_CALLBACKS"])]
+            if "USER_SCRIPT_CALLBACKS" in os.environ
             else [Slow(seconds)],
             verbose=0,
         )

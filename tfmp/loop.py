@@ -22,6 +22,7 @@ from tfmp import (
     loss_scale,
     precision,
     tf_compat,
+    worker_files,
     xla,
 )
 from tfmp.errors import PeerLost, TrainingError, UsageError, is_count
@@ -222,6 +223,7 @@ def fit(
             model.reset_metrics()  # What a checkpoint without them leaves (an older tfmp's).
             if saver.restore():
                 initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
+        cleanup.enter_context(worker_files.apart(callbacks, chief))  # Before Run: the callbacks' set_model.
         run = Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
         # What was decided, beside what was asked (decisions.json holds it for reruns).
         policy = keras.config.dtype_policy().name
