@@ -141,6 +141,38 @@ def test_terminate_on_nan_ends_the_run_as_in_model_fit(tmp_path, caplog, raise_e
     assert int(tf.train.load_variable(path, "step/.ATTRIBUTES/VARIABLE_VALUE")) == 2
 
 
+class HideNaN(keras.layers.Layer):
+    """NaN activations as 0 (what a ReLU does to them on some kernels), alike on every device."""
+
+    def call(self, x):
+        return keras.ops.where(keras.ops.isnan(x), 0.0, x)
+
+
+def test_a_nan_the_loss_never_shows_stops_training_after_its_epoch(caplog):
+    """A NaN input that a layer hides from the loss still reaches the first kernel through its
+    gradient: model.fit trains on with NaN weights and a finite loss; tfmp.fit stops after the
+    epoch, naming the weight (with TerminateOnNaN the run ends, the message a warning)."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        built = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), HideNaN(), keras.layers.Dense(1)])
+        built.compile("sgd", "mse")
+        return built
+
+    x, y = regression_arrays()
+    x[40] = np.nan
+    expected = model()
+    history = expected.fit(x, y, epochs=2, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all() and np.isnan(expected.layers[0].kernel.numpy()).all()
+    with pytest.raises(TrainingError, match="after epoch 1: non-finite weight .*kernel although the loss stayed"):
+        tfmp.fit(model(), x, y, epochs=2, shuffle=False, verbose=0)
+    with caplog.at_level("WARNING"):
+        history = tfmp.fit(
+            model(), x, y, epochs=2, shuffle=False, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+        )
+    assert history.epoch == [0] and any("although the loss stayed finite" in r.getMessage() for r in caplog.records)
+
+
 def test_validation_freq_as_a_list_of_epochs_validates_those_as_model_fit_does():
     def validated_epochs(fit):
         epochs = []

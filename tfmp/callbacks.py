@@ -75,12 +75,49 @@ def overrides(callbacks, hook, ignore=()):
     return any(hook in getattr(c, "__dict__", {}) or getattr(type(c), hook) is not base for c in own)
 
 
+# Keras' and tfmp's callbacks whose batch hooks never stop training (these exactly, not a subclass).
+_NEVER_STOP = (
+    keras.callbacks.ProgbarLogger,
+    keras.callbacks.History,
+    keras.callbacks.ModelCheckpoint,
+    keras.callbacks.TensorBoard,
+    keras.callbacks.BackupAndRestore,
+    Throughput,
+)
+
+
+def may_stop_within(callbacks, hooks):
+    """Whether one of `callbacks` has batch `hooks` of its own that may set `model.stop_training`."""
+    may_stop = [c for c in callbacks if type(c) not in _NEVER_STOP]
+    return any(overrides(may_stop, hook) for hook in hooks)
+
+
+def hidden_non_finite_message(epoch, model):
+    """Why training stops after `epoch` (from 0) where a weight is no longer finite although no loss was."""
+    return (
+        f"after epoch {epoch + 1}: non-finite weight {first_non_finite(model.weights)} although the loss stayed "
+        "finite: NaN or inf reached the weights through their gradients (data holding NaN or inf, say, that a ReLU "
+        "or a max hid from the loss); training stopped"
+    )
+
+
 def first_non_finite(variables):
     """The path of the first variable holding a NaN or inf, or None."""
     for v in variables:
         if not np.isfinite(np.asarray(v.numpy(), dtype=np.float32)).all():
             return v.path
     return None
+
+
+def finiteness(variables):
+    """A function that says, with one read, whether every floating-point one of `variables` is finite."""
+    floats = [v for v in variables if keras.backend.is_float_dtype(v.dtype)]
+
+    @tf.function(autograph=False)
+    def all_finite():
+        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in floats]))
+
+    return (lambda: bool(all_finite())) if floats else (lambda: True)
 
 
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")

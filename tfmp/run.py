@@ -64,13 +64,6 @@ _ALONE = ", without its validation or on_epoch_end: a worker cannot tell whether
 _HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 # Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
 _BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
-# Keras' callbacks whose batch hooks never stop training (these exactly, not a subclass).
-_NEVER_STOP = (
-    *_BEHIND_SAFE,
-    keras.callbacks.ModelCheckpoint,
-    keras.callbacks.TensorBoard,
-    keras.callbacks.BackupAndRestore,
-)
 
 
 def _learning_rate(optimizer):
@@ -103,9 +96,8 @@ class Run:
         # Several workers agree on a stop (`_stops`): after each update where a callback has batch hooks.
         self.several = distribute.num_workers(steps.strategy) > 1
         self.vote = distribute.worker_vote(steps.strategy)
-        may_stop = [c for c in self.callbacks.callbacks if type(c) not in _NEVER_STOP]
-        hooked = any(tfmp_callbacks.overrides(may_stop, hook) for hook in _HOOKS)
-        self.agree_each_batch = self.several and hooked
+        self.agree_each_batch = self.several and tfmp_callbacks.may_stop_within(self.callbacks.callbacks, _HOOKS)
+        self.weights_finite = tfmp_callbacks.finiteness(model.weights)
         # A non-finite loss raises TrainingError; with keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
         self.nan_ends = any(
             isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
@@ -147,6 +139,7 @@ class Run:
                 )
                 if starved:
                     raise TrainingError(f"after epoch {epoch + 1}: {starved}; training stopped")
+                self._check_weights(epoch)
                 if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
                     advice = runs_once("steps_per_epoch", source.generator or not source.streamed)
@@ -205,6 +198,17 @@ class Run:
             )
             model.stop_training = True
         self._stops()
+
+    def _check_weights(self, epoch):
+        """After an epoch, a weight that is no longer finite although no loss was (the per-update guard saw
+        none): TrainingError, or with TerminateOnNaN the run's end. One read."""
+        if self.model.stop_training or self.weights_finite():
+            return
+        message = tfmp_callbacks.hidden_non_finite_message(epoch, self.model)
+        if not self.nan_ends:
+            raise TrainingError(message)
+        logging.warning("%s", message)
+        self.model.stop_training = True
 
     def _stops(self, batch=False):
         """Whether training stops here (`model.stop_training`), agreed by every worker where there are
