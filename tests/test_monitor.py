@@ -148,3 +148,20 @@ def test_a_loss_scale_below_one_warns_once_naming_the_fixes(tmp_path, caplog):
     (message,) = [r.getMessage() for r in caplog.records if "Loss scale fell" in r.getMessage()]
     assert "Loss scale fell to 0.5 at step 2" in message
     assert all(fix in message for fix in ("tfmp.diagnose", "tfmp.keep_float32", "--keep_float32", "--learning_rate"))
+
+
+def test_finiteness_reads_one_compiled_check_or_each_variable_where_it_cannot_run(monkeypatch):
+    weights = [keras.Variable(np.ones(3, np.float32)), keras.Variable(np.ones(2, np.int32)), keras.Variable(1.0)]
+    finite = callbacks.finiteness(weights)
+    assert finite()
+    weights[2].assign(float("nan"))
+    assert not finite()
+
+    def no_such_op(x):
+        raise TypeError("no kernel here")
+
+    monkeypatch.setattr(tf.math, "is_finite", no_such_op)  # The compiled check then fails to trace.
+    host = callbacks.finiteness(weights)
+    assert not host()
+    weights[2].assign(2.0)
+    assert host() and callbacks.finiteness([weights[1]])()  # No floating-point weight: finite.

@@ -110,14 +110,24 @@ def first_non_finite(variables):
 
 
 def finiteness(variables):
-    """A function that says, with one read, whether every floating-point one of `variables` is finite."""
+    """A function that says whether every floating-point one of `variables` is finite: one read of one
+    compiled check, or where that cannot run (on a device without its ops), a read of each."""
     floats = [v for v in variables if keras.backend.is_float_dtype(v.dtype)]
+    failed = []
 
     @tf.function(autograph=False)
     def all_finite():
         return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in floats]))
 
-    return (lambda: bool(all_finite())) if floats else (lambda: True)
+    def check():
+        if floats and not failed:
+            try:
+                return bool(all_finite())
+            except (tf.errors.OpError, TypeError, ValueError):
+                failed.append(True)
+        return first_non_finite(floats) is None
+
+    return check
 
 
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")
