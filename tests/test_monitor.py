@@ -165,3 +165,11 @@ def test_finiteness_reads_one_compiled_check_or_each_variable_where_it_cannot_ru
     assert not host()
     weights[2].assign(2.0)
     assert host() and callbacks.finiteness([weights[1]])()  # No floating-point weight: finite.
+
+
+def test_a_models_finiteness_check_is_kept_while_its_weights_are_the_same():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    check = callbacks.weights_finiteness(model)
+    assert callbacks.weights_finiteness(model) is check and check()
+    model.add(keras.layers.Dense(1))  # Other weights: another check.
+    assert callbacks.weights_finiteness(model) is not check

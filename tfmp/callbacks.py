@@ -5,6 +5,7 @@ import csv
 import os
 import resource
 import time
+import weakref
 
 import keras
 import numpy as np
@@ -128,6 +129,19 @@ def finiteness(variables):
         return first_non_finite(floats) is None
 
     return check
+
+
+_CHECKS = weakref.WeakKeyDictionary()  # model -> (its weights' ids, their `finiteness`).
+
+
+def weights_finiteness(model):
+    """`finiteness(model.weights)`, kept for the model while its weights are the same ones: traced once, not in
+    every fit (the bench times each fit's last step to its end)."""
+    ids = tuple(id(v) for v in model.weights)
+    kept = _CHECKS.get(model)
+    if kept is None or kept[0] != ids:
+        kept = _CHECKS[model] = (ids, finiteness(model.weights))
+    return kept[1]
 
 
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")

@@ -97,7 +97,7 @@ class Run:
         self.several = distribute.num_workers(steps.strategy) > 1
         self.vote = distribute.worker_vote(steps.strategy)
         self.agree_each_batch = self.several and tfmp_callbacks.may_stop_within(self.callbacks.callbacks, _HOOKS)
-        self.weights_finite = tfmp_callbacks.finiteness(model.weights)
+        self.weights_finite = tfmp_callbacks.weights_finiteness(model)
         # A non-finite loss raises TrainingError; with keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
         self.nan_ends = any(
             isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
