@@ -98,6 +98,7 @@ class Run:
         self.vote = distribute.worker_vote(steps.strategy)
         self.agree_each_batch = self.several and tfmp_callbacks.may_stop_within(self.callbacks.callbacks, _HOOKS)
         self.weights_finite = tfmp_callbacks.weights_finiteness(model)
+        self.weights_finite()  # Traced now, before any step is timed, not in the first epoch's last step.
         # A non-finite loss raises TrainingError; with keras.callbacks.TerminateOnNaN it ends the run, as in Keras fit.
         self.nan_ends = any(
             isinstance(c, keras.callbacks.TerminateOnNaN) and not getattr(c, "raise_error", False)
