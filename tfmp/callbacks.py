@@ -76,14 +76,14 @@ def overrides(callbacks, hook, ignore=()):
     return any(hook in getattr(c, "__dict__", {}) or getattr(type(c), hook) is not base for c in own)
 
 
-# Keras' and tfmp's callbacks whose batch hooks never stop training (these exactly, not a subclass).
+# Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
+BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, Throughput)
+# Those whose batch hooks never stop training (these exactly, not a subclass).
 _NEVER_STOP = (
-    keras.callbacks.ProgbarLogger,
-    keras.callbacks.History,
+    *BEHIND_SAFE,
     keras.callbacks.ModelCheckpoint,
     keras.callbacks.TensorBoard,
     keras.callbacks.BackupAndRestore,
-    Throughput,
 )
 
 

@@ -62,8 +62,6 @@ class _Update(typing.NamedTuple):
 
 _ALONE = ", without its validation or on_epoch_end: a worker cannot tell whether the others ran out too"
 _HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
-# Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
-_BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, tfmp_callbacks.Throughput)
 
 
 def _learning_rate(optimizer):
@@ -216,7 +214,7 @@ class Run:
         several: a stop one worker's callback asks for (a time limit, say) stops all after the same update,
         where alone it would leave the others waiting in the next all-reduce. After an update (`batch`), only
         where a callback has batch hooks; the others agree at the run's and each epoch's begin and end."""
-        if self.several and (self.agree_each_batch or not batch):
+        if self.agree_each_batch or not batch:  # (One worker: its own flag.)
             self.model.stop_training = self.vote(self.model.stop_training)
         return self.model.stop_training
 
@@ -262,7 +260,7 @@ class Run:
         """The validation pass: its val_ logs; none, and one warning a fit, where it saw no batch."""
         self.callbacks.on_test_begin()
         # Their running logs for a callback that reads test batches (in fit, Keras' progress bar does not).
-        batch_logs = tfmp_callbacks.overrides(self.callbacks.callbacks, "on_test_batch_end", _BEHIND_SAFE)
+        batch_logs = tfmp_callbacks.overrides(self.callbacks.callbacks, "on_test_batch_end", tfmp_callbacks.BEHIND_SAFE)
         logs = self.steps.evaluate(self.val_input.once(), self.val_input.steps, self.callbacks, batch_logs)
         if evaluated_nothing(self.model):
             if not self.validation_ran_out:
@@ -338,7 +336,7 @@ class Run:
         if handler is not None or self.agree_each_batch:
             return False
         unsafe = [c for c in self.callbacks.callbacks if not getattr(c, "async_safe", False)]
-        return not any(tfmp_callbacks.overrides(unsafe, hook, _BEHIND_SAFE) for hook in _HOOKS)
+        return not any(tfmp_callbacks.overrides(unsafe, hook, tfmp_callbacks.BEHIND_SAFE) for hook in _HOOKS)
 
     def _finish(self, update):
         """An update's end: one read of its outputs, the guards, the monitor, the callbacks."""
