@@ -135,6 +135,11 @@ if __name__ == "__main__":
         given = {"data": passes, "steps_per_epoch": len(batches)}
     else:  # Validation of unknown length (filter): fine on several workers too.
         given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
+    callbacks = [Slow(seconds)]
+    if "USER_SCRIPT_STOP" in os.environ:
+        callbacks = [stop_on_worker_0(index, os.environ["USER_SCRIPT_STOP"])]
+    elif "USER_SCRIPT_CALLBACKS" in os.environ:
+        callbacks += file_writers(os.environ["USER_SCRIPT_CALLBACKS"])
     try:
         history = tfmp.fit(
             model,
@@ -145,11 +150,7 @@ if __name__ == "__main__":
             jit_compile={"1": True, "0": False}.get(os.environ.get("USER_SCRIPT_JIT_COMPILE"), "auto"),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=4,
-            callbacks=[stop_on_worker_0(index, os.environ["USER_SCRIPT_STOP"])]
-            if "USER_SCRIPT_STOP" in os.environ
-            else [Slow(seconds), *file_writers(os.environ["USER_SCRIPT_CALLBACKS"])]
-            if "USER_SCRIPT_CALLBACKS" in os.environ
-            else [Slow(seconds)],
+            callbacks=callbacks,
             verbose=0,
         )
     except tfmp.Preempted as e:  # SIGTERM: a checkpoint was saved; exit "temporary failure".

@@ -16,23 +16,21 @@ import tempfile
 import keras
 import tensorflow as tf
 
-# Keras' callbacks that write files, and the attributes that say where (BackupAndRestore's are made from its
-# directory at construction).
+# Keras' callbacks that write files, and the attribute that says where.
 _PATHS = (
-    (keras.callbacks.ModelCheckpoint, ("filepath",)),
-    (keras.callbacks.CSVLogger, ("filename",)),
-    (keras.callbacks.TensorBoard, ("log_dir",)),
-    (
-        keras.callbacks.BackupAndRestore,
-        (
-            "backup_dir",
-            "_weights_path",
-            "_training_metadata_path",
-            "_prev_weights_path",
-            "_prev_training_metadata_path",
-        ),
-    ),
+    (keras.callbacks.ModelCheckpoint, "filepath"),
+    (keras.callbacks.CSVLogger, "filename"),
+    (keras.callbacks.TensorBoard, "log_dir"),
+    (keras.callbacks.BackupAndRestore, "backup_dir"),
 )
+
+
+def _made_from(callback, root):
+    """The names of `callback`'s attributes that hold `root` or a path under it: the paths it made from it
+    (BackupAndRestore's files, at construction; TensorBoard's directories, in an earlier set_model)."""
+    under = os.path.join(root, "")
+    paths = {name: value for name, value in vars(callback).items() if isinstance(value, str)}
+    return [name for name, value in paths.items() if value == root or value.startswith(under)]
 
 
 def _under(directory, path):
@@ -62,12 +60,13 @@ def apart(callbacks, chief):
     given = []  # (callback, attribute, its value): what to give back.
     try:
         for callback in callbacks:
-            for kind, names in _PATHS:
+            for kind, attribute in _PATHS:
                 if not isinstance(callback, kind):
                     continue
+                root = getattr(callback, attribute)
                 if kind is keras.callbacks.BackupAndRestore:
-                    _copy_backup(callback.backup_dir, _under(directory, callback.backup_dir))
-                for name in names:
+                    _copy_backup(root, _under(directory, root))
+                for name in _made_from(callback, root):
                     value = getattr(callback, name)
                     given.append((callback, name, value))
                     setattr(callback, name, _under(directory, value))
