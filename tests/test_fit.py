@@ -140,6 +140,17 @@ def test_early_stopping_and_validation_history():
     assert len(history.history["val_mae"]) == 2 and model.stop_training
 
 
+def test_a_sweep_of_short_fits_is_not_warned_of_retracing(caplog):
+    """Each new model's steps and checks are traced once: TensorFlow must not read them as one
+    function retraced (a notebook or a hyperparameter search fits one model after another)."""
+    with caplog.at_level("WARNING", logger="tensorflow"):
+        for _ in range(5):
+            tfmp.fit(
+                regression(), regression_data(), validation_data=regression_data(n=64), steps_per_epoch=2, verbose=0
+            )
+    assert not [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
+
+
 def test_keras_callbacks_run_unchanged(tmp_path):
     class Counter(keras.callbacks.Callback):
         def __init__(self):

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from tfmp import tf_compat
 from tfmp.steps import STEP_STATE
 
 
@@ -116,9 +117,10 @@ def finiteness(variables):
     floats = [v for v in variables if keras.backend.is_float_dtype(v.dtype)]
     failed = []
 
-    @tf.function(autograph=False)
-    def all_finite():
+    def finite():
         return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in floats]))
+
+    all_finite = tf_compat.function(finite, autograph=False)
 
     def check():
         if floats and not failed:

@@ -17,6 +17,7 @@ concrete function as usual; the bits are the same either way.
 import tensorflow as tf
 from absl import logging
 
+from tfmp import tf_compat
 from tfmp.errors import first_line
 
 try:  # Private: how a concrete function flattens its arguments; absent, the ordinary call.
@@ -52,7 +53,7 @@ def _flat_inputs(concrete, iterator):
 def of_iterator(step, *args):
     """`step(iterator, *args)` as a `tf.function` of the iterator alone, as `Direct` calls it.
     Traced as written (no AutoGraph, as Keras' own steps): its control flow is TensorFlow's."""
-    return tf.function(lambda iterator: step(iterator, *args), autograph=False)
+    return tf_compat.function(lambda iterator: step(iterator, *args), autograph=False)
 
 
 class Direct:

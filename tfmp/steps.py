@@ -118,7 +118,7 @@ class Steps:
             self.__dict__.update(self._made.pop(jit_compile))
             return
         # Without AutoGraph, as Keras' steps: converting tfmp's functions took 3.5 s of a process's first step.
-        jit = tf.function(jit_compile=True, autograph=False) if self.jit_compile else (lambda fn: fn)
+        jit = tf_compat.function(jit_compile=True, autograph=False) if self.jit_compile else (lambda fn: fn)
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
         one = self.strategy.num_replicas_in_sync == 1
@@ -132,7 +132,7 @@ class Steps:
         self._one = {gated: calls.of_iterator(self._single, gated) for gated in (False, True)}  # `_replica_update`.
         self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
         self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
-        self._test = tf.function(self._test_step, reduce_retracing=True, autograph=False)
+        self._test = tf_compat.function(self._test_step, reduce_retracing=True, autograph=False)
         # Lean: under XLA on one CPU the call runs on one thread (the executor's hand-offs cost 4-7% of a small
         # step). Grouped: the norm's reductions one a shape where each would be an op of its own (DECISIONS.md).
         gpu = bool(tf.config.list_logical_devices("GPU"))

@@ -5,11 +5,12 @@ TensorFlow keeps private a strategy's worker count, whether op determinism is on
 MirroredStrategy's collective keys (tfmp gives each strategy its own), a variable's
 aggregation and the no-merge-call switch (set aside while tfmp's loss-scale cond counts an
 update where no merge call may run), the collective broadcast of a new variable's initial
-value (which takes no bfloat16), and the FLOP profiler the bench uses. The uses of Keras'
-internals are in tfmp.keras_compat.
+value (which takes no bfloat16), the FLOP profiler the bench uses, and how tf.function
+counts a function's traces. The uses of Keras' internals are in tfmp.keras_compat.
 """
 
 import contextlib
+import functools
 import weakref
 
 import tensorflow as tf
@@ -156,3 +157,21 @@ def float_ops(graph):
     options = option_builder.ProfileOptionBuilder.float_operation()
     options["output"] = "none"
     return model_analyzer.profile(graph, options=options).total_float_ops
+
+
+def function(fn=None, **options):
+    """`tf.function(fn, **options)`, its traces counted apart from any other function's (without
+    `fn`, a decorator that makes one).
+
+    TensorFlow warns that a function "triggered tf.function retracing" when 5 of its last 10
+    calls traced, and counts the calls of every function made from the same Python code as
+    one's (its call-stats key is the code object). tfmp makes its steps and checks one set a
+    model, each traced once, so a sweep of short fits (a notebook, a hyperparameter search)
+    would read as one function retraced again and again. A `functools.partial` has no code
+    object: TensorFlow then keys the count by the function itself.
+    """
+    if fn is None:
+        return functools.partial(function, **options)
+    own = functools.partial(fn)
+    own.__name__ = own.__qualname__ = getattr(fn, "__name__", "function")
+    return tf.function(own, **options)
