@@ -15,7 +15,7 @@ from tfmp.app import models
 # ---- sparse gradients ----
 
 
-def embedding_model(strategy, vocab=300):
+def embedding_model(strategy, vocab=300, **clipping):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         tokens = keras.Input((6,), dtype="int32")
@@ -23,7 +23,7 @@ def embedding_model(strategy, vocab=300):
         hidden = keras.layers.GlobalAveragePooling1D()(hidden)
         out = keras.layers.Dense(3, activation="softmax", dtype="float32")(hidden)
         model = keras.Model(tokens, out)
-        model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "sparse_categorical_crossentropy")
+        model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2, **clipping)), "sparse_categorical_crossentropy")
     return model
 
 
@@ -44,9 +44,19 @@ def test_embedding_gradient_leaves_the_replica_sparse():
     assert grads[0].values.shape[0] == 2 * 16 * 6  # Two batches' rows, concatenated, not summed densely.
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
-def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy):
+@pytest.mark.parametrize(
+    "replicas, policy, clipping",
+    [
+        (1, "float32", {}),
+        (2, "float32", {}),
+        (1, "mixed_float16", {}),
+        (2, "mixed_float16", {}),
+        # The optimizer's own clipping alone, of the rows' sum (Keras' clips each row apart).
+        (2, "float32", {"clipnorm": 0.02}),
+        (2, "float32", {"clipvalue": 0.002}),
+    ],
+)
+def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy, clipping):
     keras.config.set_dtype_policy(policy)
     strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
     data = token_data()
@@ -54,10 +64,13 @@ def test_sparse_gradients_train_exactly_like_dense(mirrored, replicas, policy):
         data = strategy.experimental_distribute_dataset(data)
     results = {}
     for sparse in (True, False):
-        model = embedding_model(strategy)
+        model = embedding_model(strategy, **clipping)
         # One update kernel for both (a dense gradient would take the fused one): only the
         # sparse handling differs. Fused against Keras' update: tests/test_fused.py.
-        compiled = steps.Steps(model, strategy, grad_accum_steps=2, clipnorm=0.05, sparse=sparse, fused_updates=False)
+        clipnorm = None if clipping else 0.05
+        compiled = steps.Steps(
+            model, strategy, grad_accum_steps=2, clipnorm=clipnorm, sparse=sparse, fused_updates=False
+        )
         iterator = iter(data)
         for _ in range(3):
             out = compiled.train(iterator)
