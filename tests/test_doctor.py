@@ -121,6 +121,16 @@ def test_outputs_json_table_and_gradient_histogram(tmp_path):
     assert (tmp_path / "gradients.png").stat().st_size > 5000 and png_path.endswith("gradients.png")
 
 
+def test_a_layer_whose_weights_are_its_cells_shows_no_gradient_of_its_own():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 2)), keras.layers.GRU(4, name="gru"), keras.layers.Dense(1, name="out")])
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    diagnosis = tfmp.diagnose(model, (X[:, :8].reshape(-1, 4, 2), Y), steps=2)
+    rows = {line.split()[0].split("/", 1)[1]: line.split() for line in diagnosis.table().splitlines()[1:4]}
+    assert rows["gru"][3:7] == ["-"] * 4 and rows["gru"][-1] == "-"  # Not "0": the GRU's weights are its cell's.
+    assert float(rows["gru/gru_cell"][3]) > 0 and float(rows["out"][3]) > 0
+
+
 def test_nan_localisation_names_the_layer():
     keras.config.set_dtype_policy("mixed_float16")
     model = tiny.build(tf.distribute.get_strategy())[0]

@@ -66,11 +66,17 @@ class Diagnosis:
             mark = "  <- exceeds float16" if r["forward_overflow"] else ""
             if r["input_overflow"]:
                 mark += "  <- casts a value beyond float16"
+            if r["gradient_values"]:
+                grads = (
+                    f"{r['gradient_max_abs']:10.3g} {r['underflow_at_1']:9.1%} {r['subnormal_at_1']:9.1%} "
+                    f"{r['underflow_at_recommended']:11.1%}"
+                )
+                lost = f"{r.get('bfloat16_nearest_dropped', 0.0):9.1%}"
+            else:  # No trainable weight of its own (an RNN's are its cell's, a row of their own).
+                grads, lost = f"{'-':>10s} {'-':>9s} {'-':>9s} {'-':>11s}", f"{'-':>9s}"
             lines.append(
-                f"{r['name'][:24]:24s} {r['compute_dtype']:8s} "
-                f"{r['output_max_abs']:10.3g} {r['gradient_max_abs']:10.3g} "
-                f"{r['underflow_at_1']:9.1%} {r['subnormal_at_1']:9.1%} {r['underflow_at_recommended']:11.1%} "
-                f"{r['bfloat16_relative_error']:8.1%} {r.get('bfloat16_nearest_dropped', 0.0):9.1%}{mark}"
+                f"{r['name'][:24]:24s} {r['compute_dtype']:8s} {r['output_max_abs']:10.3g} {grads} "
+                f"{r['bfloat16_relative_error']:8.1%} {lost}{mark}"
             )
         lines.append(f"keep in float32: {', '.join(self.keep_float32) or 'none'}")
         lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
