@@ -185,6 +185,9 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
         ((regression_data(),), {"sample_weight": np.ones(256)}, r"\(x, y, sample_weight\) elements"),
         ((regression_data(), arrays()[1]), {}, "a dataset holds its targets"),
         (arrays(), {"x": 1}, "takes no x="),
+        ((arrays()[0], arrays()[1].tolist()), {}, "y holds Python numbers where arrays go"),
+        ((arrays()[0].tolist(), arrays()[1]), {}, "data holds Python numbers where arrays go"),
+        (arrays(), {"sample_weight": [1.0] * 256}, "sample_weight holds Python numbers"),
     ],
 )
 def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):

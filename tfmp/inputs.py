@@ -170,6 +170,7 @@ def datasets(
     batch size are batched as Keras batches them: in `steps` batches where `steps` is given
     (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
     data, y, sample_weight, validation_data = (numpy_leaves(a) for a in (data, y, sample_weight, validation_data))
+    _no_python_numbers(data=data, y=y, sample_weight=sample_weight, validation_data=validation_data)
     seed = keras_compat.global_seed() or 0
     kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
     if pydata.is_python_data(data):
@@ -262,6 +263,12 @@ def numpy_leaves(data):
         return np.asarray(value) if hasattr(value, "shape") else value
 
     return tf.nest.map_structure(leaf, data) if isinstance(data, tuple | list | dict) else leaf(data)
+
+
+def _no_python_numbers(**given):
+    for name, value in given.items():
+        if isinstance(value, tuple | list | dict) and any(isinstance(a, int | float) for a in tf.nest.flatten(value)):
+            raise UsageError(f"{name} holds Python numbers where arrays go (numpy arrays or tensors): np.asarray it")
 
 
 def is_array_structure(data):
