@@ -2,6 +2,7 @@
 
 import collections
 import csv
+import functools
 import os
 import resource
 import time
@@ -146,6 +147,7 @@ def weights_finiteness(model):
     return kept[1]
 
 
+_ROWS_HELD = 1000  # Steps the Monitor holds before appending them to history.csv (a row is about 700 bytes).
 HISTORY_FIELDS = ("step", "loss", "accuracy", "loss_scale", "learning_rate", "grad_norm", "skipped_steps")
 _NOT_METRICS = {*STEP_STATE, "steps", "updates"}  # tfmp.fit's step state and call sizes.
 
@@ -176,14 +178,14 @@ class Monitor:
         self.skip_warning = skip_warning
         self.history_path = os.path.join(model_dir, "history.csv")
         self.writer = tf.summary.create_file_writer(os.path.join(model_dir, "tensorboard"))
-        self.rows = _read_history(self.history_path, start_step)
-        self.skipped = int(self.rows[-1]["skipped_steps"]) if self.rows else 0
+        self.skipped = _keep_history_to(self.history_path, start_step)
+        self.rows = []  # Steps not yet in history.csv: appended every _ROWS_HELD steps, at checkpoints and at the end.
         self.recent = collections.deque(maxlen=100)  # 1 for a skipped step.
         self.warned = set()
         self.metrics = {}
         self._applied = int(optimizer.iterations.numpy())
         self._last = time.perf_counter()
-        self._unflushed = 0
+        self._writes = {}  # Scalar tags -> the compiled write of their values.
 
     def record(self, step, logs):
         """One call's outputs from tfmp.fit's steps: `steps` (batches) and `updates` in it,
@@ -209,26 +211,27 @@ class Monitor:
             "skipped_steps": self.skipped,
         }
         self.rows.append(row)
-        self._unflushed += 1
+        if len(self.rows) >= _ROWS_HELD:
+            self._append_rows()
         self._warn(row)
-        if self.step % self.log_every < steps:
+        if self.step % self.log_every < steps or not self._writes:  # The first too: its trace in the warm-up.
             self._write(row, step_time / steps)
 
     def _write(self, row, step_time):
-        with self.writer.as_default(step=self.step):
-            for key, value in self.metrics.items():  # The model's own: loss, accuracy, per-output losses...
-                tf.summary.scalar(key, value)
-            for key in ("learning_rate", "grad_norm"):
-                if row[key] is not None:
-                    tf.summary.scalar(key, row[key])
-            if row["loss_scale"] is not None:
-                tf.summary.scalar("loss_scale", row["loss_scale"])
-            tf.summary.scalar("skipped_steps", row["skipped_steps"])
-            tf.summary.scalar("skipped_rate", sum(self.recent) / len(self.recent))
-            if self.examples_per_step:
-                tf.summary.scalar("examples_per_second", self.examples_per_step / max(step_time, 1e-9))
-            tf.summary.scalar("step_time_ms", 1e3 * step_time)
-            tf.summary.scalar("peak_memory_mb", peak_memory_mb())
+        scalars = dict(self.metrics)  # The model's own: loss, accuracy, per-output losses...
+        scalars.update({key: row[key] for key in ("learning_rate", "grad_norm", "loss_scale") if row[key] is not None})
+        scalars["skipped_steps"] = row["skipped_steps"]
+        scalars["skipped_rate"] = sum(self.recent) / len(self.recent)
+        if self.examples_per_step:
+            scalars["examples_per_second"] = self.examples_per_step / max(step_time, 1e-9)
+        scalars["step_time_ms"] = 1e3 * step_time
+        scalars["peak_memory_mb"] = peak_memory_mb()
+        tags = tuple(scalars)
+        if tags not in self._writes:
+            self._writes[tags] = tf_compat.function(functools.partial(_scalars, self.writer, tags), autograph=False)
+        # Numpy values, one call: TensorFlow keeps memory for each Python number an eager op converts (about 0.7 KB a
+        # distinct value, never freed), and for each eager tf.summary.scalar too.
+        self._writes[tags](np.asarray(list(scalars.values()), np.float32), np.int64(self.step))
 
     def _warn(self, row):
         scale = row["loss_scale"]
@@ -257,15 +260,24 @@ class Monitor:
         """Writes out TensorBoard events and appends the steps recorded since the last flush to
         history.csv (call at checkpoints and at the end)."""
         self.writer.flush()
-        if not self._unflushed:
+        self._append_rows()
+
+    def _append_rows(self):
+        if not self.rows:
             return
         new = not os.path.exists(self.history_path)
         with open(self.history_path, "a", newline="") as f:
             writer = csv.DictWriter(f, HISTORY_FIELDS)
             if new:
                 writer.writeheader()
-            writer.writerows(self.rows[-self._unflushed :])
-        self._unflushed = 0
+            writer.writerows(self.rows)
+        self.rows = []
+
+
+def _scalars(writer, tags, values, step):
+    with writer.as_default(step=step):
+        for i, tag in enumerate(tags):
+            tf.summary.scalar(tag, values[i])
 
 
 def skipped_steps(history_csv):
@@ -277,21 +289,21 @@ def skipped_steps(history_csv):
     return int(rows[-1]["skipped_steps"]) if rows else 0
 
 
-def _read_history(path, up_to_step):
-    """Rows of an earlier run's history.csv up to `up_to_step`; the file is rewritten to match."""
+def _keep_history_to(path, up_to_step):
+    """Cuts an earlier run's history.csv to its steps up to `up_to_step` (those past the checkpoint will be redone),
+    a row at a time (a long run's holds millions); returns the skipped steps its last kept row counts (0 without)."""
     if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if float(r["step"]) <= up_to_step]
-    for r in rows:
-        for key in HISTORY_FIELDS:
-            r[key] = None if r[key] in ("", "None") else float(r[key])
-        r["step"], r["skipped_steps"] = int(r["step"]), int(r["skipped_steps"])
-    with open(path, "w", newline="") as f:  # Drop steps past the checkpoint: they will be redone.
-        writer = csv.DictWriter(f, HISTORY_FIELDS)
+        return 0
+    skipped, kept = 0, path + ".part"
+    with open(path, newline="") as f, open(kept, "w", newline="") as out:
+        writer = csv.DictWriter(out, HISTORY_FIELDS)
         writer.writeheader()
-        writer.writerows(rows)
-    return rows
+        for row in csv.DictReader(f):
+            if float(row["step"]) <= up_to_step:
+                writer.writerow(row)
+                skipped = int(float(row["skipped_steps"]))
+    os.replace(kept, path)
+    return skipped
 
 
 def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None, checked=True):
