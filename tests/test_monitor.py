@@ -191,6 +191,10 @@ def test_history_is_held_a_bounded_number_of_steps_and_a_resume_keeps_its_steps_
     assert rows[0].startswith("step,loss") and [r.split(",")[0] for r in rows[1:]] == [str(s) for s in range(1, 13)]
     resumed = callbacks.Monitor(str(tmp_path), optimizer, examples_per_step=8, start_step=11)
     assert resumed.skipped == 1 and path.read_text().splitlines() == rows[:12]  # Step 12 is redone.
+    with open(path, "a") as f:  # A row cut short: the process killed while appending it.
+        f.write(rows[12][:1])  # "1": a step the checkpoint covers, and no other field.
+    callbacks.Monitor(str(tmp_path), optimizer, examples_per_step=8, start_step=11)
+    assert path.read_text().splitlines() == rows[:12]
 
 
 def test_scalars_are_written_by_one_compiled_call_that_converts_no_python_number(tmp_path, monkeypatch):

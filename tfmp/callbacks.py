@@ -299,9 +299,13 @@ def _keep_history_to(path, up_to_step):
         writer = csv.DictWriter(out, HISTORY_FIELDS)
         writer.writeheader()
         for row in csv.DictReader(f):
-            if float(row["step"]) <= up_to_step:
+            try:  # A row cut short (the process killed while appending it) is left out.
+                step, row_skipped = float(row["step"]), int(float(row["skipped_steps"]))
+            except (TypeError, ValueError):
+                continue
+            if step <= up_to_step:
                 writer.writerow(row)
-                skipped = int(float(row["skipped_steps"]))
+                skipped = row_skipped
     os.replace(kept, path)
     return skipped
 
