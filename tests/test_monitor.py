@@ -193,6 +193,7 @@ def test_history_is_held_a_bounded_number_of_steps_and_a_resume_keeps_its_steps_
     assert resumed.skipped == 1 and path.read_text().splitlines() == rows[:12]  # Step 12 is redone.
     with open(path, "a") as f:  # A row cut short: the process killed while appending it.
         f.write(rows[12][:1])  # "1": a step the checkpoint covers, and no other field.
+    assert callbacks.skipped_steps(str(path)) == 1  # The last whole row's count.
     callbacks.Monitor(str(tmp_path), optimizer, examples_per_step=8, start_step=11)
     assert path.read_text().splitlines() == rows[:12]
 

@@ -118,10 +118,9 @@ def finiteness(variables):
     floats = [v for v in variables if keras.backend.is_float_dtype(v.dtype)]
     failed = []
 
-    def finite():
+    @tf_compat.function(autograph=False)
+    def all_finite():
         return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v.value)) for v in floats]))
-
-    all_finite = tf_compat.function(finite, autograph=False)
 
     def check():
         if floats and not failed:
@@ -282,27 +281,33 @@ def _scalars(writer, tags, values, step):
 
 def skipped_steps(history_csv):
     """Updates skipped for overflow over the whole run, from its history.csv (0 without one)."""
-    if not os.path.exists(history_csv):
-        return 0
-    with open(history_csv, newline="") as f:
-        rows = list(csv.DictReader(f))
-    return int(rows[-1]["skipped_steps"]) if rows else 0
+    last = collections.deque(_history_rows(history_csv), maxlen=1)
+    return last[0][1] if last else 0
+
+
+def _history_rows(path):
+    """(step, skipped steps, row) for each row of history.csv, a row at a time (a long run's holds millions), none
+    where there is no file; a row cut short (the process killed while appending it) is left out."""
+    if not os.path.exists(path):
+        return
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            try:
+                yield float(row["step"]), int(float(row["skipped_steps"])), row
+            except (TypeError, ValueError):
+                continue
 
 
 def _keep_history_to(path, up_to_step):
-    """Cuts an earlier run's history.csv to its steps up to `up_to_step` (those past the checkpoint will be redone),
-    a row at a time (a long run's holds millions); returns the skipped steps its last kept row counts (0 without)."""
+    """Cuts an earlier run's history.csv to its steps up to `up_to_step` (those past the checkpoint will be redone);
+    returns the skipped steps its last kept row counts (0 without)."""
     if not os.path.exists(path):
         return 0
     skipped, kept = 0, path + ".part"
-    with open(path, newline="") as f, open(kept, "w", newline="") as out:
+    with open(kept, "w", newline="") as out:
         writer = csv.DictWriter(out, HISTORY_FIELDS)
         writer.writeheader()
-        for row in csv.DictReader(f):
-            try:  # A row cut short (the process killed while appending it) is left out.
-                step, row_skipped = float(row["step"]), int(float(row["skipped_steps"]))
-            except (TypeError, ValueError):
-                continue
+        for step, row_skipped, row in _history_rows(path):
             if step <= up_to_step:
                 writer.writerow(row)
                 skipped = row_skipped

@@ -163,10 +163,9 @@ def worker_vote(strategy):
     if num_workers(strategy) == 1:
         return bool
 
-    def vote(flag):
+    @tf_compat.function(autograph=False)
+    def votes(flag):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.identity(flag)), axis=None)
-
-    votes = tf_compat.function(vote, autograph=False)
 
     return lambda flag: float(votes(tf.constant(1.0 if flag else 0.0))) > 0
 
