@@ -1,8 +1,6 @@
 """The TensorFlow internals tfmp relies on (tfmp/tf_compat.py), a test per behaviour: a
 TensorFlow release that changes one of them fails here, by name."""
 
-import logging
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -86,21 +84,11 @@ def test_each_strategy_gets_keys_of_its_own_once():
     tf_compat.own_collective_keys(tf.distribute.get_strategy())  # Not a MirroredStrategy: nothing to do.
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def _retracing_warnings(make):
+def _retracing_warnings(make, caplog):
     """The retracing warnings TensorFlow logs while five functions made by `make` from one
     closure (as tfmp makes a step a model) are each traced once and called once more."""
-    caught, logger = _Warnings(), logging.getLogger("tensorflow")
-    logger.addHandler(caught)
-    try:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tensorflow"):
         for scale in range(5):
 
             def scaled(x, scale=float(scale)):
@@ -109,12 +97,10 @@ def _retracing_warnings(make):
             fn = make(scaled)
             fn(tf.constant(1.0))
             fn(tf.constant(2.0))
-    finally:
-        logger.removeHandler(caught)
-    return [line for line in caught.lines if "triggered tf.function retracing" in line]
+    return [r.getMessage() for r in caplog.records if "triggered tf.function retracing" in r.getMessage()]
 
 
-def test_function_counts_its_traces_apart_from_those_of_functions_made_from_the_same_code():
-    assert _retracing_warnings(tf.function)  # TensorFlow's count, which tfmp's steps would read as retracing.
-    assert not _retracing_warnings(tf_compat.function)
+def test_function_counts_its_traces_apart_from_those_of_functions_made_from_the_same_code(caplog):
+    assert _retracing_warnings(tf.function, caplog)  # TensorFlow's count, which tfmp's steps would read as retracing.
+    assert not _retracing_warnings(tf_compat.function, caplog)
     assert tf_compat.function(autograph=False)(lambda x: x + 1)(tf.constant(1)).numpy() == 2  # The decorator form.
