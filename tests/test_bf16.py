@@ -3,6 +3,7 @@ Keras' own update math run in float32, compensated rounding where nearest stalls
 rounding on every replica, and an exact resume."""
 
 import logging
+import warnings
 
 import keras
 import numpy as np
@@ -43,9 +44,10 @@ def test_weights_and_state_are_bfloat16_at_the_bytes_promised(rounding, expected
     model = mlp()
     Steps(model, tf.distribute.get_strategy(), bf16_rounding=rounding)
     state = [v for v in model.optimizer.variables if len(v.shape)]
-    assert all(v.dtype == "bfloat16" for v in model.trainable_variables + state)
-    buffers = [v for v in state if "kahan" in v.name]
+    buffers = bf16.buffers(model.optimizer)
+    assert all(v.dtype == "bfloat16" for v in model.trainable_variables + state + buffers)
     assert len(buffers) == (4 if rounding == "kahan" else 0)  # One per weight, its shape.
+    assert not any("kahan" in v.name for v in state)  # Beside the optimizer's variables, not among them.
     assert bf16.bytes_per_parameter(model, model.optimizer) == expected
 
 
@@ -126,7 +128,7 @@ def test_each_optimizer_runs_keras_own_update_in_float32(name):
     for g in grads:
         keras_opt.apply([tf.constant(g)], [reference])
         applier.apply([tf.constant(g)], [low])
-    buffer = ours._tfmp_kahan[0]  # noqa: SLF001
+    buffer = bf16.buffers(ours)[0]
     held = tf.cast(low, tf.float32) + tf.cast(buffer, tf.float32)
     moved = np.abs(reference.numpy() - exact).max()
     assert moved > 1e-3  # The updates are not lost in the comparison.
@@ -209,7 +211,7 @@ def test_every_replica_rounds_alike_and_matches_one_device(mirrored, rounding):
     tfmp.configure_precision("bfloat16", rounding=rounding, seed=3)
     two = mlp(strategy=mirrored)
     tfmp.fit(two, regression_data(), epochs=2, verbose=0)
-    for variable in two.weights + [v for v in two.optimizer.variables if len(v.shape)]:
+    for variable in two.weights + [v for v in [*two.optimizer.variables, *bf16.buffers(two.optimizer)] if len(v.shape)]:
         copies = [np.asarray(tf.cast(c, tf.float32)) for c in variable.value.values]
         assert all(np.array_equal(copies[0], c) for c in copies[1:]), variable.name
     one = mlp()
@@ -233,6 +235,53 @@ def test_resume_continues_as_the_unbroken_run(tmp_path, mirrored, rounding, jit_
     assert resumed.optimizer.iterations.numpy() == unbroken.optimizer.iterations.numpy() == 16
     for a, b in zip(weights(resumed), weights(unbroken), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_keras_file_restores_the_optimizer_and_the_buffers_where_the_loader_has_them(tmp_path):
+    """Keras restores an optimizer's state only into one with as many variables as the file
+    holds, and `keras.models.load_model` builds a plain Adam: the Kahan buffers, beside the
+    optimizer's variables, do not cost it its step count and moments. `model.load_weights`
+    into a model tfmp.fit trained restores the buffers too; a file without them zeroes them."""
+    tfmp.configure_precision("bfloat16", rounding="kahan")
+    model = mlp()
+    tfmp.fit(model, regression_data(), epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    kahan = [b.numpy() for b in bf16.buffers(model.optimizer)]
+    assert len(kahan) == 4 and any(np.abs(np.float32(k)).max() > 0 for k in kahan)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = keras.models.load_model(path)
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert int(loaded.optimizer.iterations.numpy()) == 8
+    for a, b in zip(loaded.optimizer.variables, model.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(np.float32(a.numpy()), np.float32(b.numpy()))
+    tfmp.fit(loaded, regression_data(), epochs=1, verbose=0)  # Trains on from there, its buffers from zero.
+    assert int(loaded.optimizer.iterations.numpy()) == 16 and len(bf16.buffers(loaded.optimizer)) == 4
+
+    for buffer in bf16.buffers(model.optimizer):
+        buffer.assign(tf.ones(buffer.shape, buffer.dtype))
+    model.load_weights(path)
+    for a, b in zip(bf16.buffers(model.optimizer), kahan, strict=True):
+        np.testing.assert_array_equal(np.float32(a.numpy()), np.float32(b))
+    plain, keras_own = str(tmp_path / "plain.weights.h5"), mlp()
+    keras_own.optimizer.build(keras_own.trainable_variables)  # Keras' own optimizer: no buffers in its file.
+    keras_own.save_weights(plain)
+    model.load_weights(plain)
+    assert all(not np.float32(b.numpy()).any() for b in bf16.buffers(model.optimizer))
+
+
+def test_a_checkpoint_without_buffers_resumes_with_them_at_zero(tmp_path):
+    """A checkpoint saved under stochastic rounding (or by a tfmp that kept the buffers among
+    the optimizer's variables) holds none: resumed under kahan, they start at zero."""
+    tfmp.configure_precision("bfloat16", rounding="stochastic", seed=5)
+    tfmp.fit(mlp(), regression_data(), epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    tfmp.configure_precision("bfloat16", rounding="kahan", seed=5)
+    resumed = mlp()
+    tfmp.fit(resumed, regression_data(), epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
+    assert int(resumed.optimizer.iterations.numpy()) == 16 and len(bf16.buffers(resumed.optimizer)) == 4
+    names = {name.split("/")[0] for name, _ in tf.train.list_variables(tf.train.latest_checkpoint(str(tmp_path)))}
+    assert "kahan" in names  # Saved from then on.
 
 
 def test_batch_norm_statistics_in_bfloat16_are_warned_and_the_bundled_models_keep_them_float32(caplog):

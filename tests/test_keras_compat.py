@@ -308,3 +308,35 @@ def test_compiled_jit_compile_is_a_choice_that_auto_would_not_have_made(mirrored
         assert keras_compat.compiled_jit_compile(model) is (not auto)
         model.compile("sgd", "mse", jit_compile=auto)
         assert keras_compat.compiled_jit_compile(model) is None
+
+
+class _Counter(keras_compat.Saveable):
+    """State a `.keras` file keeps beside an optimizer's: a number, saved and put back."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def _obj_type(self):
+        return "Metric"
+
+    def save_own_variables(self, store):
+        store["0"] = np.array(self.value)
+
+    def load_own_variables(self, store):
+        self.value = float(store["0"][()]) if len(store.keys()) else None
+
+
+def test_a_saveable_attribute_of_an_optimizer_is_saved_and_loaded_beside_it(tmp_path):
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    model.optimizer.build(model.trainable_variables)
+    object.__setattr__(model.optimizer, "_extra", _Counter(3.0))  # As tfmp.bf16 attaches its buffers.
+    model.save(tmp_path / "model.keras")
+    object.__setattr__(model.optimizer, "_extra", _Counter(0.0))
+    model.load_weights(tmp_path / "model.keras")
+    assert model.optimizer._extra.value == 3.0  # noqa: SLF001
+    plain = keras.models.load_model(tmp_path / "model.keras")  # An optimizer without it: the entry is left unread.
+    assert not hasattr(plain.optimizer, "_extra") and len(plain.optimizer.variables) == len(model.optimizer.variables)
+    plain.save(tmp_path / "plain.keras")
+    model.load_weights(tmp_path / "plain.keras")  # A file without the entry: an empty store.
+    assert model.optimizer._extra.value is None  # noqa: SLF001

@@ -23,6 +23,8 @@ The slots have no buffer: under `kahan` and `stochastic` they are rounded stocha
 under `nearest` to nearest.
 """
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -91,13 +93,68 @@ def applier_hooks(optimizer, variables, strategy, rounding, seed, update=None):
 
 
 def build(optimizer, variables, rounding):
-    """Makes the Kahan compensation buffers (one bfloat16 optimizer variable per bfloat16
-    weight, checkpointed with the optimizer) when `rounding` is kahan; no-op otherwise or
-    when they exist."""
+    """Makes `optimizer`'s Kahan compensation buffers (a `Compensation`) when `rounding` is
+    kahan; no-op otherwise or when they exist."""
     if rounding != "kahan" or getattr(optimizer, _BUFFERS, None) is not None:
         return
-    buffers = [optimizer.add_variable_from_reference(v, name="kahan") if is_bfloat16(v) else None for v in variables]
-    object.__setattr__(optimizer, _BUFFERS, buffers)
+    buffers = [_buffer(optimizer, v) if is_bfloat16(v) else None for v in variables]
+    object.__setattr__(optimizer, _BUFFERS, Compensation(buffers))  # Past Keras' and tf.train's tracking.
+
+
+def _buffer(optimizer, weight):
+    """A zero variable like `weight`, made where and as Keras makes an optimizer's slot
+    (`add_variable_from_reference`), but not one of the optimizer's variables."""
+    own = weight.value if isinstance(weight, keras.Variable) else weight  # A tf.Variable, which has no path.
+    name = getattr(weight, "path", weight.name).replace("/", "_").replace(":", "_") + "_kahan"
+    place = tf.distribute.get_strategy().extended.colocate_vars_with(own)
+    with place, keras.name_scope(optimizer.name, caller=optimizer):
+        return keras.Variable(
+            keras.initializers.Zeros(), shape=weight.shape, dtype=weight.dtype, trainable=False, name=name
+        )
+
+
+def buffers(optimizer):
+    """The Kahan buffers tfmp made for `optimizer` (a wrapper's inner one, a MultiOptimizer's
+    optimizers), in order: tfmp's checkpoints hold them beside the optimizer's variables."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    parts = keras_compat.optimizer_parts(inner) or [inner]
+    return [v for part in parts for v in getattr(getattr(part, _BUFFERS, None), "variables", [])]
+
+
+class Compensation(keras_compat.Saveable):
+    """One optimizer's Kahan buffers, one per bfloat16 weight (None for the others).
+
+    Not among the optimizer's variables: `keras.models.load_model` builds the optimizer
+    without them, and Keras restores an optimizer's state only into one with as many
+    variables as the file holds (otherwise it warns and restores none of it). So a `.keras`
+    file's optimizer is the one Keras builds (step count, moments), and this object, an
+    attribute of it, is saved beside it (`optimizer/_tfmp_kahan`) and restored where the
+    loading optimizer has it (`model.load_weights` into a model tfmp.fit trained, a
+    `BackupAndRestore`). A file without them sets them to zero, as a plain reload's are: each
+    weight gives up at most half a bfloat16 step once, one rounding to nearest."""
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+
+    @property
+    def variables(self):
+        return [b for b in self.buffers if b is not None]
+
+    def _obj_type(self):  # One Keras knows; as a metric's, its variables are not walked again.
+        return "Metric"
+
+    def save_own_variables(self, store):
+        for i, buffer in enumerate(self.variables):
+            store[str(i)] = buffer.numpy()
+
+    def load_own_variables(self, store):
+        held = len(store.keys())
+        if held and held != len(self.variables):  # Another model's file: as Keras does for the optimizer beside.
+            counts = f"the file holds {held}, this optimizer {len(self.variables)}"
+            warnings.warn(f"Kahan buffers set to zero: {counts}", stacklevel=2)
+            held = 0
+        for i, buffer in enumerate(self.variables):
+            buffer.assign(store[str(i)] if held else tf.zeros(buffer.shape, buffer.dtype))
 
 
 class _View:
@@ -211,7 +268,7 @@ def update_step(optimizer, rounding, seed, fallback):
         index = keras_compat.variable_index(optimizer, variable)
         step_count = optimizer.iterations
         buffer = getattr(optimizer, _BUFFERS, None)
-        buffer = buffer[index] if buffer is not None else None
+        buffer = buffer.buffers[index] if buffer is not None else None
         weight = _View(variable)
         if buffer is not None:
             weight = _View(tf.cast(variable, tf.float32) + tf.cast(buffer, tf.float32))
@@ -258,7 +315,7 @@ def state_bytes(model, optimizer=None):
     """Bytes of the trainable weights and the optimizer's variables (its scalars, the step
     count and learning rate, left out)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    state = [v for v in inner.variables if len(v.shape)] if inner is not None else []
+    state = [v for v in [*inner.variables, *buffers(inner)] if len(v.shape)] if inner is not None else []
     return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in [*model.trainable_variables, *state])
 
 

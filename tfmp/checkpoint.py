@@ -7,7 +7,7 @@ import tempfile
 import tensorflow as tf
 from absl import logging
 
-from tfmp import callback_state, files, keras_compat
+from tfmp import bf16, callback_state, files, keras_compat
 from tfmp.errors import TrainingError, UsageError, first_line
 
 
@@ -58,6 +58,9 @@ class Checkpointer:
             metrics[f"{v.path}:{sum(key.startswith(v.path + ':') for key in metrics)}"] = v.value
         # In the checkpoint from the first save or restore on (an older tfmp's checkpoints lack them).
         self._optional = {"callbacks": self.callbacks, "metrics": metrics}
+        self._kahan = [b.value for b in bf16.buffers(optimizer)]  # Not the optimizer's: see tfmp.bf16.Compensation.
+        if self._kahan:
+            self._optional["kahan"] = self._kahan
 
     def _attach(self):
         for name, value in self._optional.items():
@@ -77,7 +80,12 @@ class Checkpointer:
             held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
             if "callbacks" in held:
                 self.checkpoint.callbacks = self.callbacks
+            if "kahan" in held and self._kahan:
+                self.checkpoint.kahan = self._kahan
             self.checkpoint.restore(path).assert_existing_objects_matched()
+            if "kahan" not in held:  # Saved with another rounding, or by an older tfmp (as optimizer variables).
+                for buffer in self._kahan:
+                    buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
             if "metrics" in held:  # Those it has; one added since starts at zero.
                 tf.train.Checkpoint(metrics=self._optional["metrics"]).restore(path).expect_partial()
             self._attach()  # In every checkpoint from here.

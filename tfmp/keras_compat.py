@@ -10,7 +10,8 @@ in, or for an optimizer's slot variables (tfmp's fused updates) and for running 
 stand-ins (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
 `filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a `BackupAndRestore`
 callback restored, nor which of a `MultiOptimizer`'s optimizers updates a variable (and a copy of its
-optimizers is what tfmp's applier needs). The uses of TensorFlow's internals are in tfmp.tf_compat.
+optimizers is what tfmp's applier needs), nor the base class of what a `.keras` file holds the state of
+(`Saveable`: tfmp.bf16's Kahan buffers). The uses of TensorFlow's internals are in tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply` (tfmp.loss_scale), a model's
 `_aggregate_additional_loss` while `compute_loss` runs (the losses layers add, in float32), and an optimizer's
@@ -22,6 +23,8 @@ import contextlib
 import inspect
 
 import keras
+from keras.src.saving.keras_saveable import KerasSaveable as Saveable  # noqa: F401 - see the docstring.
+from keras.src.utils import rng_utils  # Keras' record of the global seed.
 
 from tfmp.errors import UsageError
 
@@ -87,8 +90,7 @@ def call(model, x, training):
 def slot(optimizer, name, variable):
     """The slot variable `name` ("momentums", "velocities") that `optimizer` keeps for
     `variable` (Adam's first and second moments, SGD's momentum)."""
-    slots = getattr(optimizer, f"_{name}", None)  # Adam's; SGD keeps `momentums` without the underscore.
-    slots = getattr(optimizer, name) if slots is None else slots
+    slots = getattr(optimizer, f"_{name}", None) or getattr(optimizer, name)  # SGD's `momentums` has no underscore.
     return slots[variable_index(optimizer, variable)]
 
 
@@ -382,8 +384,6 @@ def learning_rate(optimizer):
 
 def global_seed():
     """The seed of `keras.utils.set_random_seed` (and `tfmp.set_seed`), or None."""
-    from keras.src.utils import rng_utils  # noqa: PLC0415 - Keras' record of it, not public.
-
     return rng_utils.get_random_seed()
 
 
