@@ -28,6 +28,22 @@ def test_arrays_train_as_model_fit_does_with_a_validation_split():
     assert int(ours.optimizer.iterations.numpy()) == 2 * 12  # 192 training examples in batches of 16.
 
 
+def test_x_by_keras_name_is_the_data():
+    """`tfmp.fit(model, x=x, y=y)` and `tfmp.evaluate(model, x=x, y=y)`, as model.fit and
+    model.evaluate are called: the same as the data given first."""
+    x, y = arrays()
+    theirs, ours = regression(), regression()
+    theirs.fit(x=x, y=y, batch_size=16, shuffle=False, verbose=0)
+    tfmp.fit(ours, x=x, y=y, batch_size=16, shuffle=False, verbose=0)
+    assert_same(weights(ours), weights(theirs))
+    expected = theirs.evaluate(x=x, y=y, verbose=0, return_dict=True)
+    assert tfmp.evaluate(theirs, x=x, y=y, return_dict=True) == pytest.approx(expected, rel=1e-5)
+    with pytest.raises(UsageError, match="tfmp.evaluate got data and x="):
+        tfmp.evaluate(theirs, x, x=x)
+    with pytest.raises(UsageError, match="tfmp.fit needs data"):
+        tfmp.fit(theirs, y=y)
+
+
 def test_the_shuffle_is_set_by_the_seed_and_a_resumed_run_repeats_it(tmp_path):
     x, y = arrays()
     run = {"batch_size": 32, "epochs": 3, "verbose": 0}
@@ -184,7 +200,7 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
         ((regression_data(),), {"validation_split": 0.1}, "split the dataset"),
         ((regression_data(),), {"sample_weight": np.ones(256)}, r"\(x, y, sample_weight\) elements"),
         ((regression_data(), arrays()[1]), {}, "a dataset holds its targets"),
-        (arrays(), {"x": 1}, "takes no x="),
+        (arrays(), {"x": 1}, "tfmp.fit got data and x=: give the data once"),
         ((arrays()[0], arrays()[1].tolist()), {}, "y holds Python numbers where arrays go"),
         ((arrays()[0].tolist(), arrays()[1]), {}, "data holds Python numbers where arrays go"),
         (arrays(), {"sample_weight": [1.0] * 256}, "sample_weight holds Python numbers"),

@@ -10,9 +10,10 @@ from tfmp.run import evaluated_nothing, runs_once
 
 def evaluate(
     model,
-    data,
+    data=None,
     y=None,
     *,
+    x=None,
     batch_size=None,
     sample_weight=None,
     steps=None,
@@ -30,6 +31,7 @@ def evaluate(
             dataset` (then `steps` is required); or arrays as `tfmp.fit` takes them:
             `x` here and `y` next, or a tuple `(x, y)` or `(x, y, sample_weight)`.
         y: the targets, where `data` is the arrays `x`.
+        x: `data` by `model.evaluate`'s name; give one of the two.
         batch_size: the GLOBAL batch of arrays; default, as in `model.evaluate`: the arrays
             in `steps` batches where it is given, else 32.
         sample_weight: with arrays, each example's weight (as in `model.evaluate`).
@@ -46,6 +48,7 @@ def evaluate(
         As `model.evaluate`: the loss alone where the model has no metric, else a list of floats, the loss
         first and each metric in the model's order; with `return_dict=True`, a dict of them by name.
     """
+    data = loop.given_data(data, x, "tfmp.evaluate")
     strategy = strategy or model.distribute_strategy
     tf_compat.own_collective_keys(strategy)
     if not getattr(model, "compiled", False):

@@ -34,9 +34,10 @@ VERBOSE = ("auto", 0, 1, 2)
 
 def fit(
     model,
-    data,
+    data=None,
     y=None,
     *,
+    x=None,
     batch_size=None,
     epochs=1,
     initial_epoch=0,
@@ -60,7 +61,6 @@ def fit(
     log_every=10,
     jit_compile="auto",
     verbose="auto",
-    **keras_only,
 ):
     """Trains a compiled Keras model like `model.fit`, correct under every strategy.
 
@@ -88,6 +88,7 @@ def fit(
             add it); then `batch_size`, `shuffle`, `validation_split` and `sample_weight`
             apply.
         y: the targets, where `data` is the arrays `x`.
+        x: `data` by `model.fit`'s name (`tfmp.fit(model, x=x, y=y)`); give one of the two.
         batch_size: the GLOBAL batch of arrays; default, as in `model.fit`: the arrays in
             `steps_per_epoch` batches where it is given, else 32. A dataset is batched already.
         epochs: epochs to train to (counting `initial_epoch`'s).
@@ -167,7 +168,7 @@ def fit(
         >>> history = tfmp.fit(model, train_ds, validation_data=val_ds, epochs=10,
         ...                    grad_accum_steps=4, clipnorm=1.0, checkpoint_dir="runs/mine")
     """
-    _keras_only(keras_only)
+    data = given_data(data, x, "tfmp.fit")
     if steps_per_execution is None:
         steps_per_execution = getattr(model, "steps_per_execution", 1)
     strategy = _check_arguments(**locals())
@@ -294,18 +295,13 @@ def prepare(
 _STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
 
 
-_KERAS_ONLY = {
-    "x": "give x as `data` (the first argument after the model)",
-}
-
-
-def _keras_only(given):
-    """UsageError for `model.fit` arguments tfmp.fit takes otherwise (saying how); TypeError
-    for any other unknown keyword, as Python would raise."""
-    for name in given:
-        if name in _KERAS_ONLY:
-            raise UsageError(f"tfmp.fit takes no {name}=: {_KERAS_ONLY[name]}")
-        raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
+def given_data(data, x, caller):
+    """`data`, or `x` (`model.fit`'s name for it); UsageError for both or neither."""
+    if data is not None and x is not None:
+        raise UsageError(f"{caller} got data and x=: give the data once (x= is model.fit's name for it)")
+    if data is None and x is None:
+        raise UsageError(f"{caller} needs data: a dataset, a PyDataset, a generator or arrays (model.fit's x)")
+    return x if data is None else data
 
 
 def refuse_own_step(model, step, replaced_by, instead):
