@@ -1,10 +1,16 @@
 """Export: model.keras and a SavedModel, float32 (or raw strings) in and out, same outputs."""
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from conftest import REPO
 
+import tfmp
 from tfmp.app import export, training
 
 
@@ -51,3 +57,30 @@ def test_mismatch_is_reported(tmp_path, monkeypatch):
     monkeypatch.setattr(keras.models, "load_model", lambda path: lambda x, training=False: np.zeros((2, 2)))
     with pytest.raises(Exception, match="predicts differently after reloading"):
         export.export(model, str(tmp_path), np.ones((2, 4), np.float32))
+
+
+RELOAD = """import sys
+{imports}
+model = keras.models.load_model(sys.argv[1])
+print(type(model.optimizer).__name__, type(model.layers[-1]).__name__)
+"""
+
+
+@pytest.mark.parametrize("imports", ["import keras, tfmp", "import tfmp, keras\ntfmp.set_seed(0)"])
+def test_a_keras_file_with_tfmps_classes_reloads_in_a_new_process_after_import_tfmp(tmp_path, imports):
+    """Keras finds a class a `.keras` file names ("tfmp>ClassificationHead") only once its
+    module has run; `import tfmp` loads no TensorFlow, yet a new process that imports tfmp
+    (before Keras, then uses any of its names; or after) reloads tfmp's head and its
+    loss-scale optimizer."""
+    keras.config.set_dtype_policy("mixed_float16")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, tfmp.classification_head(3)(keras.layers.Dense(8)(inputs)))
+    model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam()), "sparse_categorical_crossentropy")
+    model.save(tmp_path / "model.keras")
+    env = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    script = RELOAD.format(imports=imports)
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "model.keras")], env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert result.stdout.split() == ["LossScaleOptimizer", "ClassificationHead"]

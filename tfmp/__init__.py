@@ -40,4 +40,8 @@ _MODULES = ("float8",)  # tfmp.float8.quantize(model, exclude=...), tfmp.float8.
 __all__ = ["__version__", *sorted(_EXPORTS), *_MODULES]
 
 
-__getattr__, __dir__ = _lazy.names(globals(), _EXPORTS, _MODULES)
+# Where a `.keras` file's "tfmp>..." classes are defined: a model with tfmp's head, its loss-scale
+# optimizer or pure bfloat16's initializer, or the bundled text models' vectorizer, reloads after `import tfmp`.
+_SERIALIZABLE = ("tfmp.heads", "tfmp.loss_scale", "tfmp.bf16", "tfmp.data.pipeline")
+
+__getattr__, __dir__ = _lazy.names(globals(), _EXPORTS, _MODULES, _SERIALIZABLE)
