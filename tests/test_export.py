@@ -66,12 +66,21 @@ print(type(model.optimizer).__name__, type(model.layers[-1]).__name__)
 """
 
 
-@pytest.mark.parametrize("imports", ["import keras, tfmp", "import tfmp, keras\ntfmp.set_seed(0)"])
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import keras, tfmp",
+        "import tfmp, keras",
+        "import tfmp, tensorflow, keras",  # TensorFlow's import imports Keras partway through.
+        "import tfmp\ntfmp.set_seed(0)\nimport keras",  # A name first: Keras loads within tfmp's import.
+        "import tfmp.keras_compat, keras",  # It imports Keras before it defines what tfmp.bf16 takes from it.
+    ],
+)
 def test_a_keras_file_with_tfmps_classes_reloads_in_a_new_process_after_import_tfmp(tmp_path, imports):
     """Keras finds a class a `.keras` file names ("tfmp>ClassificationHead") only once its
     module has run; `import tfmp` loads no TensorFlow, yet a new process that imports tfmp
-    (before Keras, then uses any of its names; or after) reloads tfmp's head and its
-    loss-scale optimizer."""
+    before Keras or after (TensorFlow's import imports Keras partway through), or uses one of
+    its names first, reloads tfmp's head and its loss-scale optimizer."""
     keras.config.set_dtype_policy("mixed_float16")
     inputs = keras.Input((4,))
     model = keras.Model(inputs, tfmp.classification_head(3)(keras.layers.Dense(8)(inputs)))
