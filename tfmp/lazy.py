@@ -91,10 +91,14 @@ def _spec(finder, name, path, target):
 
 
 class _Watched:
-    """A loader that runs another's `exec_module` under an `AfterImport`'s count."""
+    """A loader that runs another's `exec_module` under an `AfterImport`'s count, and is that
+    loader for everything else (`python -m` runs a module through `get_code`, not `exec_module`)."""
 
     def __init__(self, loader, hook):
         self.loader, self.hook = loader, hook
+
+    def __getattr__(self, name):
+        return getattr(self.loader, name)
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
