@@ -100,8 +100,5 @@ class _Watched:
     def __getattr__(self, name):
         return getattr(self.loader, name)
 
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
     def exec_module(self, module):
         self.hook.ran(self.loader, module)
