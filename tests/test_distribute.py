@@ -41,6 +41,16 @@ def test_tpu_missing_is_one_clear_error(monkeypatch, host):
     message = str(e.value)
     assert "no TPU found" in message and "--tpu=local" in message and "\n" not in message
     assert ("shows no TPU device" in message) == (host == "bare"), message
+    assert message.startswith("--strategy=tpu:") and "pick --strategy=auto" in message, message
+
+
+def test_tpu_missing_under_auto_names_auto_and_tpu():
+    # --strategy=auto with --tpu given goes to a TPU: the error names the flags the user gave, and the way out.
+    with pytest.raises(UsageError) as e:
+        distribute.get_strategy("auto", tpu="local")
+    message = str(e.value)
+    assert message.startswith("--strategy=auto with --tpu picks tpu:") and "no TPU found" in message, message
+    assert "leave --tpu out" in message and "pick --strategy=auto" not in message, message
 
 
 def test_multi_worker_needs_tf_config(monkeypatch):

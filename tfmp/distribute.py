@@ -49,27 +49,34 @@ def _tpu_present():
     return bool(tf.config.list_logical_devices("TPU"))
 
 
-def _no_tpu(address, why):
+def _no_tpu(address, why, asked, tpu):
+    # Named as the user asked: --strategy=auto goes to a TPU where --tpu is given or the host looks like a TPU's.
+    if asked == "tpu":
+        flag, other = "--strategy=tpu", "or pick --strategy=auto"
+    elif tpu:
+        flag, other = "--strategy=auto with --tpu picks tpu", "or leave --tpu out"
+    else:
+        flag, other = "--strategy=auto picks tpu on a host that shows one", "or pick --strategy=default"
     return UsageError(
-        f"--strategy=tpu: no TPU found at tpu={address!r} ({why}); on a Colab or Cloud TPU VM use --tpu=local, "
-        "else --tpu=NAME_OR_GRPC_ADDRESS, or pick --strategy=auto"
+        f"{flag}: no TPU found at tpu={address!r} ({why}); on a Colab or Cloud TPU VM use --tpu=local, "
+        f"else --tpu=NAME_OR_GRPC_ADDRESS, {other}"
     )
 
 
-def _tpu_strategy(tpu):
+def _tpu_strategy(tpu, asked="tpu"):
     address = tpu or "local"
     if address == "local" and not _tpu_present():
         # Said at once, without TensorFlow's TPU start: that clears the process's eager caches and collects its
         # garbage before it finds no TPU, a cost that grows with what the process holds (a notebook's, a test run's).
         shows = "this host shows no TPU device, /dev/accel0, /dev/vfio device, TPU_NAME or COLAB_TPU_ADDR"
-        raise _no_tpu(address, shows)
+        raise _no_tpu(address, shows, asked, tpu)
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
         if address != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - a wrong name or address fails in many ways (URLError, ...).
-        raise _no_tpu(address, first_line(e)) from e
+        raise _no_tpu(address, first_line(e), asked, tpu) from e
     return tf.distribute.TPUStrategy(resolver)
 
 
@@ -110,6 +117,7 @@ def get_strategy(name="auto", tpu=None):
     """
     if name not in STRATEGIES:
         raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+    asked = name
     if name == "auto":
         if _tf_config_workers() > 1:
             name = "multi_worker"
@@ -137,7 +145,7 @@ def get_strategy(name="auto", tpu=None):
             )
         tf_compat.broadcast_bfloat16_initial_values()  # bfloat16 weights, however the policy was set.
         return tf.distribute.MultiWorkerMirroredStrategy()
-    return _tpu_strategy(tpu)
+    return _tpu_strategy(tpu, asked)
 
 
 def strategy_name(strategy):
