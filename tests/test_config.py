@@ -51,3 +51,42 @@ def test_validate_refuses(change, words, tmp_path):
 
 def test_validate_accepts_the_defaults(tmp_path):
     config_lib.validate(config_lib.Config(model_dir=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    "change, policy, strategy, words",
+    [
+        ({"float8_exclude": ["head"]}, "mixed_bfloat16", "default", "--float8_exclude has no effect: the policy is"),
+        ({"bf16_rounding": "stochastic"}, "mixed_bfloat16", "default", "--bf16_rounding has no effect"),
+        ({"keep_float32": ["head"]}, "float32", "default", "--keep_float32 has no effect"),
+        ({"loss_scale_initial": 8.0}, "mixed_bfloat16", "default", "--loss_scale_initial has no effect"),
+        ({"loss_scale_growth_steps": 5}, "float32", "default", "--loss_scale_growth_steps has no effect"),
+        ({"precision": "float32", "trial_seconds": 5.0}, "float32", "default", "--trial_seconds has no effect"),
+        ({"tpu": "local"}, "float32", "mirrored", "--tpu has no effect: the strategy is mirrored"),
+        ({"base_batch_size": 64}, "float32", "default", "--base_batch_size has no effect: --lr_scaling=none"),
+        ({"vocab_size": 500}, "float32", "default", "--vocab_size has no effect: --model=cnn takes images"),
+        ({"model": "lstm", "augment": True}, "float32", "default", "--augment has no effect: --model=lstm takes text"),
+        ({"data_dir": "/data"}, "float32", "default", "--data_dir has no effect"),
+    ],
+)
+def test_a_flag_the_run_leaves_unread_is_named(change, policy, strategy, words):
+    lines = config_lib.without_effect(config_lib.Config(**change), policy, strategy)
+    assert len(lines) == 1 and lines[0].startswith(words), lines
+
+
+@pytest.mark.parametrize(
+    "change, policy, strategy",
+    [
+        ({"float8_exclude": [], "keep_float32": []}, "float32", "default"),  # train.py's flags give lists.
+        ({"float8_exclude": ["head"], "keep_float32": ["head"]}, "float8", "default"),
+        ({"bf16_rounding": "stochastic"}, "bfloat16", "default"),
+        ({"loss_scale_initial": 8.0, "loss_scale_growth_steps": 5}, "mixed_float16", "default"),
+        ({"trial_seconds": 5.0}, "mixed_bfloat16", "default"),  # --precision=auto: a trial may run.
+        ({"tpu": "local"}, "float32", "tpu"),
+        ({"base_batch_size": 64, "lr_scaling": "linear"}, "float32", "default"),
+        ({"model": "lstm", "vocab_size": 500, "sequence_length": 16}, "float32", "default"),
+        ({"dataset": "mnist", "data_dir": "/data", "augment": True}, "float32", "default"),
+    ],
+)
+def test_a_flag_the_run_reads_is_not_named(change, policy, strategy):
+    assert config_lib.without_effect(config_lib.Config(**change), policy, strategy) == []

@@ -7,6 +7,7 @@ import re
 from tfmp import bf16, distribute, precision
 from tfmp.app import models
 from tfmp.checkpoint import check_writable
+from tfmp.data import sources
 from tfmp.errors import UsageError
 
 
@@ -116,3 +117,30 @@ def validate(config):
     if config.export_dir:
         check_writable(config.export_dir, "--export_dir")
     check_writable(config.model_dir, "--model_dir")
+
+
+def without_effect(config, policy, strategy_name):
+    """A line for each flag `config` sets (to other than its default) that this run leaves
+    unread, under the `policy` and strategy it resolved to: `--float8_exclude` without
+    float8, say, would otherwise pass unnoticed."""
+    default, text = Config(), models.MODELS[config.model].kind == "text"
+    unread = {
+        "float8_exclude": policy != "float8" and f"the policy is {policy}, not float8",
+        "bf16_rounding": policy != "bfloat16" and f"the policy is {policy}, not bfloat16 (weights in bfloat16)",
+        "keep_float32": policy == "float32" and "the policy is float32: every layer computes in float32",
+        "loss_scale_initial": policy != "mixed_float16" and f"the policy is {policy}: nothing is loss-scaled",
+        "loss_scale_growth_steps": policy != "mixed_float16" and f"the policy is {policy}: nothing is loss-scaled",
+        "trial_seconds": config.precision not in ("auto", precision.AUTOTUNE) and "no precision trial runs",
+        "tpu": strategy_name != "tpu" and f"the strategy is {strategy_name}, not tpu",
+        "base_batch_size": config.lr_scaling == "none" and "--lr_scaling=none: the learning rate is not scaled",
+        "vocab_size": not text and f"--model={config.model} takes images",
+        "sequence_length": not text and f"--model={config.model} takes images",
+        "augment": text and f"--model={config.model} takes text",
+        "data_dir": config.dataset in (None, sources.SYNTHETIC, *sources.SHIPPED) and "the dataset is not a TFDS one",
+    }
+
+    def given(name):  # train.py's list flags give lists where Config's defaults are tuples.
+        value = getattr(config, name)
+        return (tuple(value) if isinstance(value, list) else value) != getattr(default, name)
+
+    return [f"--{name} has no effect: {why}" for name, why in unread.items() if why and given(name)]

@@ -29,7 +29,7 @@ from tfmp import (
     seed,
 )
 from tfmp.app import autotune, export, models, report
-from tfmp.app.config import JIT_COMPILE, RESUME, Config, validate  # noqa: F401 - Config, RESUME: re-exported.
+from tfmp.app.config import JIT_COMPILE, RESUME, Config, validate, without_effect  # noqa: F401 - Config, RESUME: re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 
@@ -188,6 +188,8 @@ def _train_and_evaluate(config, out, cleanup):
     if config.diagnose:
         return _diagnose(config, build_model, run.strategy, run.ds, out)
     run.decide_precision(config, build_model, say)
+    for line in without_effect(config, run.decision.policy, distribute.strategy_name(run.strategy)):
+        logging.warning("%s", line)
     # 6. Model and optimizer, built and compiled inside the strategy's scope. Seeded again
     # first: a precision trial (measured, cached or none) must not change the weights.
     seed.set_seed(config.seed, config.deterministic)
