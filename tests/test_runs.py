@@ -211,6 +211,16 @@ def test_a_healthy_run_is_quiet(tmp_path):
     assert "test accuracy" in out and "I0000" not in out
 
 
+def test_a_runs_own_warning_reaches_stderr(tmp_path):
+    """Its absl warnings show where TensorFlow's start-up lines do not (absl's handler held fd 2,
+    which the quiet start sends to /dev/null): here a flag the run leaves unread."""
+    process = train_process(*SMALL, f"--model_dir={tmp_path / 'run'}", "--float8_exclude=head")
+    _, err = process.communicate(timeout=300)
+    lines = err.splitlines()
+    assert process.returncode == 0 and len(lines) == 1, err[-2000:]
+    assert lines[0].endswith("--float8_exclude has no effect: the policy is float32, not float8"), err
+
+
 def test_second_run_on_a_directory_refuses_and_a_killed_run_leaves_no_lock(tmp_path):
     model_dir = tmp_path / "run"
     slow = ["--dataset=synthetic", "--epochs=1", "--steps_per_epoch=100000", "--batch_size=16"]

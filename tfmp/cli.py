@@ -36,7 +36,8 @@ def quiet_start(argv, prog):
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
-    sys.stderr = os.fdopen(real, "w", buffering=1)
+    before, sys.stderr = sys.stderr, os.fdopen(real, "w", buffering=1)
+    _follow(before)
 
     def early(signum, frame):
         line = f"{prog}: preempted: SIGTERM during start-up; nothing was written; rerun the same command\n"
@@ -48,6 +49,20 @@ def quiet_start(argv, prog):
     import tensorflow as tf
 
     tf.config.list_physical_devices()  # CUDA probing ("failed call to cuInit") happens here.
+
+
+def _follow(before):
+    """Points the log handlers made before `quiet_start` at the new `sys.stderr`: absl's,
+    made when the binary imports absl, holds the stream it found then (fd 2, now
+    /dev/null), where every absl warning of the run would vanish."""
+    import logging as python_logging
+
+    handlers = list(python_logging.getLogger().handlers)
+    if "absl.logging" in sys.modules:
+        handlers.append(sys.modules["absl.logging"].get_absl_handler().python_handler)
+    for handler in handlers:
+        if isinstance(handler, python_logging.StreamHandler) and handler.stream is before:
+            handler.setStream(sys.stderr)
 
 
 def error(prog, message, status=2):
