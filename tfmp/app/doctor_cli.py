@@ -54,7 +54,7 @@ def run_parity():
                 batch_size=FLAGS.batch_size,
                 learning_rate=FLAGS.learning_rate,
                 seed=seed,
-                bf16_rounding=FLAGS.bf16_rounding,
+                bf16_rounding=FLAGS.bf16_rounding if policy == "bfloat16" else training.Config.bf16_rounding,
                 deterministic=True,
                 checkpoint_every=0,
                 model_dir=model_dir,
@@ -92,7 +92,8 @@ def run_diagnosis():
         repeat=True,
         drop_remainder=True,
     )
-    precision.apply_policy(precision.resolve_policy(FLAGS.policy))
+    # A few steps, to read the numbers: how fast the policy runs here is beside the point (no slowness warning).
+    precision.apply_policy(precision.resolve_policy(FLAGS.policy)._replace(warning=None))
     model = models.build(FLAGS.model, ds)
     if precision.float8_enabled():
         float8.quantize(model)
