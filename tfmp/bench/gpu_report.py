@@ -16,11 +16,11 @@ In each part every precision is trained by tfmp.fit and by Keras fit, both with 
 fit warms up alone (time to its first step, and its own peak memory: what it holds
 beyond what was held before it was built; the loops take turns to warm first, since a
 precision's second compile reuses XLA's autotuning of its first), then all of them train
-in alternating rounds, a step of each in turn (`lockstep`), so that ratios compare
-neighbouring steps. A part stops warming new fits before its budget runs out and says
-which it left; every line goes to the console and report.log, at least one a minute.
-After each part report.md (`gpu_tables`) is written again from every part*.json in the
-directory.
+in alternating rounds, a few steps of each in turn (`lockstep`: tfmp.fit reads behind as
+outside the bench), so that ratios compare neighbouring steps. A part stops warming new
+fits before its budget runs out and says which it left; every line goes to the console
+and report.log, at least one a minute. After each part report.md (`gpu_tables`) is
+written again from every part*.json in the directory.
 """
 
 import os
@@ -104,6 +104,7 @@ def define_flags():
     )
     flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.", lower_bound=1)
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
+    flags.DEFINE_integer("steps_per_turn", None, "Steps a fit's turn (default: 5 on a GPU, 1 on a CPU).", lower_bound=1)
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
     flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
     flags.DEFINE_list(
@@ -220,7 +221,7 @@ def _rounds(held, began, log):
     for index in range(FLAGS.rounds):
         log(f"round {index + 1}/{FLAGS.rounds}: {steps} steps of each of {len(order)} fits, in turn", doing="timing")
         turn = order if index % 2 == 0 else order[::-1]
-        for runner, rate in zip(turn, lockstep.run(turn, steps), strict=True):
+        for runner, rate in zip(turn, lockstep.run(turn, steps, FLAGS.steps_per_turn), strict=True):
             runner.rates.append(rate)
 
 
@@ -317,7 +318,7 @@ def run_part(number, log):
     part = PARTS[number]
     began = time.perf_counter()
     result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
-    result["grouped_norm"] = FLAGS.grouped_norm
+    result.update(grouped_norm=FLAGS.grouped_norm, steps_per_turn=FLAGS.steps_per_turn or lockstep.steps_per_turn())
     log(f"part {number} on {result['device']}: {_describe(part)}", doing=f"part {number}")
     if part.peaks:
         sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()

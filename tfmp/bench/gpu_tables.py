@@ -225,9 +225,11 @@ def markdown(parts, all_parts):
     ]
     if any(p.get("smoke") for p in parts):
         lines += ["**Smoke run: tiny stand-in models; these figures measure nothing.**", ""]
+    per_turn = first.get("steps_per_turn", 1)
     lines += [
-        "Examples/s are medians of alternating rounds, a step of each fit in turn, after a 12-step warm-up; both "
-        "loops with XLA. tfmp/Keras and vs float32 are medians of per-round ratios (± standard error). Peak memory: "
+        f"Examples/s are medians of alternating rounds, {per_turn} step{'s' * (per_turn != 1)} of each fit in turn "
+        "(the devices synced at each turn's end), after a 12-step warm-up; both loops with XLA. tfmp/Keras and vs "
+        "float32 are medians of per-round ratios (± standard error). Peak memory: "
         "what a fit held beyond what was held before it was built. First step: from the fit call to the end of "
         "its first step (trace, compile, one step); * marks the fit of a precision that warmed first, whose "
         "compile started cold: XLA keeps its autotuning of GEMMs and convolutions for the process, and the "
