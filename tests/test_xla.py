@@ -2,6 +2,7 @@
 What the compiled step holds (sparse gradients, ops outside XLA): test_compiled_step.py."""
 
 import logging
+import warnings
 
 import keras
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import tensorflow as tf
 import tiny
 from conftest import GPUS
+from tensorflow.python.eager import context
 from tensorflow.python.framework import config as tf_config  # No public switch off.
 
 import tfmp
@@ -128,6 +130,32 @@ def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkey
     tf_config.disable_op_determinism()
     compiled = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
     assert refused.params["jit_compile"] is False and compiled.params["jit_compile"] is True
+
+
+def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off():
+    """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
+    device; the reason names the op and the switch, not a GPU a CPU run does not have. And
+    the probe needs no global seed, which model.fit needs only to shuffle arrays (TensorFlow
+    finds the device to lower for by running a random op, which op determinism refuses
+    unseeded)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.MaxPooling2D()])
+    model.add(keras.layers.Flatten())
+    model.add(keras.layers.Dense(1))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    seed = context.global_seed()
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    tf.random.set_seed(None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # Not TensorFlow's of a deprecated argument either.
+            history = tfmp.fit(model, np.ones((16, 4, 4, 1), "float32"), np.ones((16, 1)), jit_compile=True, verbose=0)
+    finally:
+        tf.random.set_seed(seed)
+    assert history.params["jit_compile_reason"] == (
+        "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
+        "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
+    )
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

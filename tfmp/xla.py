@@ -17,6 +17,7 @@ where reruns must match bit for bit, "autotune" follows the rule too.
 import os
 import re
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -68,7 +69,11 @@ def probe(steps, batches):
     fn = tf.function(steps.replica_gradients, jit_compile=True, autograph=False)
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
-        fn.experimental_get_compiler_ir(b)(stage="hlo")
+        # The replica's device, named: without a name TensorFlow finds it by running a random op, which op
+        # determinism refuses unless a global seed is set. (Named the only way that skips it, which warns.)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "device_name is being deprecated")
+            fn.experimental_get_compiler_ir(b)(stage="hlo", device_name=tf.identity(0.0).device)
         return tf.constant(0)
 
     tf_logger, level = tf.get_logger(), tf.get_logger().level
@@ -111,6 +116,12 @@ def reason(error):
         return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
     if unsupported:
         return f"no XLA kernel for {unsupported.group(1)}{_made_at(text)}"
+    determinism = re.search(r"(?:GPU )?(\w[\w ]*?) do(?:es)? not yet have a deterministic XLA implementation", text)
+    if determinism:  # TensorFlow's words say "GPU" on every device.
+        return (
+            f"{determinism.group(1)} have no deterministic XLA implementation, and op determinism is on "
+            "(train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
+        )
     if _MERGE_CALL in text:  # TensorFlow makes the call, then XLA could not compile it on CPUs either.
         layer = re.search(r"when calling (\w+)\.call\(\)", text)
         who = layer.group(1) if layer else "a layer"
