@@ -94,3 +94,18 @@ def test_tfmp_fit_reads_behind_under_the_timer_as_with_its_default_callbacks():
     tfmp.fit(model, data.repeat(), steps_per_epoch=5, jit_compile=False, verbose=0, callbacks=[timer])
     assert events[:4] == [("begin", 0), ("begin", 1), ("end", 0), ("begin", 2)]
     assert [steps for _, steps in timer.turns] == [1, 2, 2] and len(timer.step_times) == 4
+
+
+def test_with_a_gpu_each_turn_ends_with_the_devices_synced(monkeypatch):
+    """A GPU runs a step after its call returns: a turn's end waits for it (one wait a
+    turn); on a CPU, where it has run, nothing waits."""
+    synced = []
+    monkeypatch.setattr(tf.test.experimental, "sync_devices", lambda: synced.append(1))
+    lockstep.run([_FakeRunner("a", [])], steps=4, per_turn=2)
+    assert synced == []
+    real = tf.config.list_physical_devices
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: ["gpu"] if kind == "GPU" else real(kind))
+    assert lockstep.steps_per_turn() == 5
+    runner = _FakeRunner("a", [])
+    lockstep.run([runner], steps=4, per_turn=2)
+    assert len(synced) == len(runner.turns) == 3
