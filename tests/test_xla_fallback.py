@@ -1,0 +1,151 @@
+"""jit_compile: what XLA cannot compile (a host call, string inputs, a variable on another
+device, a kernel op determinism lacks), the fallback to no XLA and the reason it gives."""
+
+import logging
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from conftest import GPUS
+from tensorflow.python.eager import context
+from tensorflow.python.framework import config as tf_config  # No public switch off.
+from test_xla import regression_data, tiny_regression
+
+import tfmp
+from tfmp import tf_compat, xla
+
+
+class HostIdentity(keras.layers.Layer):
+    """Passes its input through a host (numpy) call, which XLA cannot compile."""
+
+    def call(self, x):
+        y = tf.numpy_function(lambda a: a, [x], x.dtype)
+        y.set_shape(x.shape)
+        return y
+
+
+def host_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), HostIdentity(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
+    model = host_model()
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=2, jit_compile=True, verbose=0)
+        tfmp.evaluate(model, regression_data(), jit_compile=True)
+    assert history.params["jit_compile"] is False
+    warnings = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
+    assert len(warnings) == 1 and "PyFunc" in warnings[0] and "without XLA" in warnings[0]
+    assert "(made at test_xla_fallback.py:" in warnings[0]  # The layer's own line, not Keras' or TensorFlow's.
+    assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_a_model_of_string_input_is_told_that_xla_takes_no_strings():
+    words = np.array([["good"], ["bad"], ["fine"], ["awful"]] * 16)
+    lookup = keras.layers.StringLookup(vocabulary=["good", "bad", "fine", "awful"], output_mode="one_hot")
+    inputs = keras.Input((1,), dtype="string")
+    model = keras.Model(inputs, keras.layers.Dense(1)(lookup(inputs)))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    history = tfmp.fit(model, words, np.arange(64, dtype="float32") % 2, jit_compile=True, verbose=0)
+    assert history.params["jit_compile_reason"] == (
+        "XLA cannot compile this model: its input holds string tensors, which XLA does not take "
+        "(make them numbers in the input pipeline)"
+    )
+
+
+class Elsewhere(keras.layers.Layer):
+    """Adds a variable kept on the second logical CPU, not the step's device."""
+
+    def build(self, input_shape):
+        with tf.device("/CPU:1"):
+            self.offset = tf.Variable(0.5, trainable=False)
+
+    def call(self, x):
+        return x + self.offset
+
+
+@pytest.mark.parametrize("found", ["up front", "at the first step"])
+def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch, found):
+    """XLA reads only the step's device (on a GPU, TensorFlow keeps int32 variables on the
+    host): the fallback's warning names the variable, where it was made and what to do,
+    whether the up-front probe finds it or the first step (a variable the probe's forward
+    and backward passes do not read, such as a metric's)."""
+    if found == "at the first step":
+        monkeypatch.setattr(xla, "probe", lambda *_: None)
+        monkeypatch.setattr(xla, "_PROBES", {})
+    model = keras.Sequential([keras.Input((8,)), Elsewhere(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+        assert np.isfinite(history.history["loss"][0]) and int(model.optimizer.iterations.numpy()) >= 7
+        # A second fit keeps the model's steps: it knows the answer and does not compile again.
+        again = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+    for run in (history, again):  # Up front or at the first step, the params say what was done and why.
+        assert run.params["jit_compile"] is False
+        assert run.params["jit_compile_reason"].startswith("XLA cannot compile this model: variable ")
+        assert "is on CPU:1" in run.params["jit_compile_reason"]
+    (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]  # One, for both fits.
+    step = "GPU:0" if GPUS else "CPU:0"
+    assert f"is on CPU:1, the step on {step}" in warning and "test_xla_fallback.py" in warning, warning
+    assert "no tf.device of its own" in warning
+    gpu_text = (
+        "Trying to access resource Variable/9 (defined @ /m.py:27) located in device /job:localhost/replica:0/"
+        "task:0/device:CPU:0 from device /job:localhost/replica:0/task:0/device:GPU:0"
+    )
+    assert "int64 or float32 if it is int32" in xla._elsewhere(gpu_text)  # noqa: SLF001
+    assert xla._elsewhere("some other failure") is None  # noqa: SLF001
+
+
+def test_compile_failure_at_run_time_falls_back_too(monkeypatch, caplog):
+    """Where the up-front check misses a failure, the first step falls back instead of crashing."""
+    monkeypatch.setattr(xla, "probe", lambda *_: None)
+    monkeypatch.setattr(xla, "_PROBES", {})
+    model = host_model()
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+    assert any("without XLA" in r.getMessage() for r in caplog.records)
+    assert np.isfinite(history.history["loss"][0])
+    assert int(model.optimizer.iterations.numpy()) >= 7  # The failed first step's batch alone is lost.
+
+
+def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
+    """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
+    XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""
+    monkeypatch.setattr(xla, "probe", lambda *_: "no deterministic kernel" if tf_compat.op_determinism() else None)
+    monkeypatch.setattr(xla, "_PROBES", {})
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    refused = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
+    tf_config.disable_op_determinism()
+    compiled = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
+    assert refused.params["jit_compile"] is False and compiled.params["jit_compile"] is True
+
+
+def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off():
+    """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
+    device; the reason names the op and the switch, not a GPU a CPU run does not have. And
+    the probe needs no global seed, which model.fit needs only to shuffle arrays (TensorFlow
+    finds the device to lower for by running a random op, which op determinism refuses
+    unseeded)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.MaxPooling2D()])
+    model.add(keras.layers.Flatten())
+    model.add(keras.layers.Dense(1))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    seed = context.global_seed()
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    tf.random.set_seed(None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # Not TensorFlow's of a deprecated argument either.
+            history = tfmp.fit(model, np.ones((16, 4, 4, 1), "float32"), np.ones((16, 1)), jit_compile=True, verbose=0)
+    finally:
+        tf.random.set_seed(seed)
+    assert history.params["jit_compile_reason"] == (
+        "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
+        "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
+    )
