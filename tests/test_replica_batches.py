@@ -48,3 +48,27 @@ def test_an_arrays_last_batch_that_would_leave_a_replica_none_is_left_out_under_
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
     with pytest.raises(TrainingError, match="after epoch 1: norm's moving statistics are non-finite on replica 1"):
         tfmp.fit(build(mirrored), batches, epochs=2, verbose=0, jit_compile=False)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("examples, batch", [(33, 32), (99, 33)])
+def test_batches_split_unevenly_train_as_on_one_device(mirrored, jit_compile, examples, batch):
+    """A global batch the replicas split unevenly (a last batch of 1 example: 1 and 0; 33 examples: 17 and 16)
+    weighs each example as one device does: the mean over the global batch, not the mean of the replicas' means
+    (which gives a lone example half its gradient). Without the weighting, 6e-2 and 1.5e-3 apart."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(examples, 8)).astype(np.float32), rng.integers(0, 3, examples)
+
+    def trained(strategy):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+            model = keras.Sequential(layers)
+            model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)  # Its batch size not static: the last.
+        history = tfmp.fit(model, batches, epochs=2, verbose=0, jit_compile=jit_compile)
+        return weights(model), history.history["loss"]
+
+    (one, one_loss), (two, two_loss) = trained(tf.distribute.get_strategy()), trained(mirrored)
+    assert_same(two, one, atol=1e-6)
+    np.testing.assert_allclose(two_loss, one_loss, rtol=1e-6)

@@ -1,7 +1,9 @@
 """What crosses replicas in one update, and the gradients rebuilt from it: the dense weight
 gradients packed into one float32 vector and summed, the sparse ones (`tf.IndexedSlices`)
-all-gathered, float8's state (`tfmp.float8`) as its maximum over replicas."""
+all-gathered, float8's state (`tfmp.float8`) as its maximum over replicas; each replica's
+share weighed by its examples where the replicas' batches can differ in size."""
 
+import keras
 import tensorflow as tf
 
 
@@ -68,3 +70,30 @@ class Crossing:
         for k, g in zip(sparse_at, sparse, strict=True):
             grads[k] = g
         return grads
+
+
+def examples(x):
+    """The number of examples in inputs `x` (float32): the first input's leading dimension."""
+    return tf.cast(tf.shape(_first(x))[0], tf.float32)
+
+
+def _first(x):
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, replicas):
+    """What `Crossing.pack` gave (and the loss) weighed by this replica's share of the global batch, where the
+    replicas' batches can differ in size. Keras' loss, each replica's mean over its own examples divided by the
+    replicas, weighs a replica's examples by how few it got (a last global batch of 1 example on 2 replicas: half
+    its gradient; 33 as 17 and 16: each of the 16 more). Weighed by its examples x replicas / all examples (1.0
+    where the split is even), the sum over replicas is the mean over the global batch, as on one device. Batches
+    of a static size are equal on every replica: nothing to weigh. In replica context; `batches`: this replica's
+    (micro-)batches, whose examples it counts."""
+    inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
+    if all(_first(x).shape[0] is not None for x in inputs):
+        return dense_flat, state_flat, sparse, loss
+    count = tf.add_n([examples(x) for x in inputs])
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
+    weight = tf.math.divide_no_nan(count * replicas, total)
+    sparse = [tf.IndexedSlices(g.values * tf.cast(weight, g.values.dtype), g.indices, g.dense_shape) for g in sparse]
+    return dense_flat * weight, state_flat, sparse, loss * tf.cast(weight, loss.dtype)  # (float8 state: a maximum.)

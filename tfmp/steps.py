@@ -299,7 +299,7 @@ class Steps:
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
                 grads, loss = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
-            *sent, loss = self._compute(batches)
+            *sent, loss = crossing.weigh_by_share(batches, *self._compute(batches), self.strategy.num_replicas_in_sync)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches, gated=False):
@@ -360,7 +360,7 @@ class Steps:
         if tracker is None:
             return
         value = loss * self.strategy.num_replicas_in_sync  # This replica's own mean.
-        count = tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], value.dtype)  # Examples.
+        count = tf.cast(crossing.examples(x), value.dtype)
         if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
             ok = tf.math.is_finite(value)
             value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
