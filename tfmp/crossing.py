@@ -6,6 +6,8 @@ share weighed by its examples where the replicas' batches can differ in size."""
 import keras
 import tensorflow as tf
 
+from tfmp import gradients
+
 
 class Crossing:
     """Packs, all-reduces and unpacks the gradients of one model's trained variables.
@@ -95,5 +97,5 @@ def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, replicas):
     count = tf.add_n([examples(x) for x in inputs])
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
     weight = tf.math.divide_no_nan(count * replicas, total)
-    sparse = [tf.IndexedSlices(g.values * tf.cast(weight, g.values.dtype), g.indices, g.dense_shape) for g in sparse]
+    sparse = [gradients.scale(g, weight) for g in sparse]
     return dense_flat * weight, state_flat, sparse, loss * tf.cast(weight, loss.dtype)  # (float8 state: a maximum.)
