@@ -68,18 +68,23 @@ def test_nan_stops_cleanly_and_keeps_a_finite_checkpoint(tmp_path, monkeypatch, 
     assert "\n" not in message
     path, finite = latest_checkpoint_is_finite(tmp_path, entry)
     assert path.endswith(f"ckpt-{stop_step - 1}") and finite  # Checkpoints every 2 steps.
+    assert f"the last checkpoint, {path}, holds finite weights" in message
 
 
-def test_the_message_claims_nothing_of_gradients_it_did_not_check():
+def test_the_message_claims_nothing_it_did_not_check():
     """Without a log_dir, loss scale or clip, tfmp.fit's step leaves out the gradients' check: a non-finite
-    loss with finite weights then says so, not that the loss itself overflowed."""
+    loss with finite weights then says so, not that the loss itself overflowed. Nor does it point to a checkpoint
+    where the run kept none, or none yet."""
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD()
     said = {c: callbacks.non_finite_message(float("inf"), optimizer, model, checked=c) for c in (True, False)}
     assert said[True].endswith(
-        "weights still finite: the loss itself overflowed. Training stopped; the last checkpoint holds finite weights"
+        "weights still finite: the loss itself overflowed. Training stopped; no checkpoint was kept (tfmp.fit keeps "
+        "them with a checkpoint_dir)"
     )
     assert "gradients not checked (tfmp.fit checks them with a log_dir)" in said[False]
+    nothing_saved = callbacks.non_finite_message(float("inf"), optimizer, model, checkpoint=None)
+    assert nothing_saved.endswith("Training stopped; it had saved no checkpoint yet")
     assert "overflowed" not in said[False]
     assert callbacks.non_finite_message(1.0, optimizer, model, checked=False) is None
 

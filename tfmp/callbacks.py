@@ -315,10 +315,14 @@ def _keep_history_to(path, up_to_step):
     return skipped
 
 
-def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None, checked=True):
+def non_finite_message(
+    loss, optimizer, model, bad_gradient=None, step=None, loss_scale=None, checked=True, checkpoint=False
+):
     """Why training must stop, or None when it may go on. `loss_scale`: the scale after the
     update that gave `loss` (default: the optimizer's now); `checked`: whether the gradients
-    were checked (where not, `bad_gradient` is None and says nothing of them)."""
+    were checked (where not, `bad_gradient` is None and says nothing of them); `checkpoint`: the
+    run's last checkpoint (its weights finite: none is saved after a non-finite loss), None where
+    the run has a checkpoint directory but saved nothing yet, False where it has none."""
     if np.isfinite(float(loss)):
         return None
     scale = None
@@ -337,7 +341,10 @@ def non_finite_message(loss, optimizer, model, bad_gradient=None, step=None, los
     else:
         detail = "weights still finite: the loss itself overflowed"
     scale_note = f" with the loss scale down to {scale:g}" if scale is not None else ""
-    return (
-        f"non-finite loss ({float(loss)}){where}{scale_note}; {detail}. Training stopped; the last "
-        "checkpoint holds finite weights"
-    )
+    if checkpoint:
+        kept = f"the last checkpoint, {checkpoint}, holds finite weights"
+    elif checkpoint is None:
+        kept = "it had saved no checkpoint yet"
+    else:
+        kept = "no checkpoint was kept (tfmp.fit keeps them with a checkpoint_dir)"
+    return f"non-finite loss ({float(loss)}){where}{scale_note}; {detail}. Training stopped; {kept}"

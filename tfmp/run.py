@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import distribute, doctor, guards, inputs, keras_compat, loss_scale, pydata
+from tfmp import checkpoint, distribute, doctor, guards, inputs, keras_compat, loss_scale, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -355,6 +355,7 @@ class Run:
             update.step,
             loss_scale=float(out["loss_scale"]) if self.steps.scaled else None,
             checked=self.steps.grad_norm,
+            checkpoint=self.saver is not None and checkpoint.latest(self.saver.restore_from),
         )
         if message:
             starved = distribute.starved_statistics(self.model, self.steps.strategy)

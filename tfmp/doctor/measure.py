@@ -219,7 +219,7 @@ def localize_non_finite(model, batch, loss_scale=None):
     if broken:
         return (
             f"the weights are non-finite already (first: {broken}), so the replay cannot tell where it began; "
-            "rerun from the last checkpoint, or diagnose the model with tfmp.diagnose"
+            "diagnose the model from finite weights (a checkpoint before it) with tfmp.diagnose"
         )
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     with Session(model) as session:
