@@ -136,7 +136,7 @@ def test_checkpoint_of_another_model_is_one_line(tmp_path):
     code, _, err = finish(start(model_dir, *other, "--resume=force"))
     assert code == 2 and "Traceback" not in err
     errors = [line for line in err.splitlines() if line.startswith("train.py: error:")]
-    assert len(errors) == 1 and "does not load into this model" in errors[0]
+    assert len(errors) == 1 and "does not load into this model" in errors[0] and "a new --model_dir" in errors[0]
 
 
 @pytest.mark.parametrize("rounding", ["stochastic", "kahan"])

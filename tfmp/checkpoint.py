@@ -1,5 +1,6 @@
 """Periodic, atomic checkpoints of everything a resumed run needs, and their restore."""
 
+import gc
 import json
 import os
 import tempfile
@@ -56,8 +57,12 @@ class Checkpointer:
         metrics = {}
         for v in model.metrics_variables:
             metrics[f"{v.path}:{sum(key.startswith(v.path + ':') for key in metrics)}"] = v.value
+        # The input's shape when saved, (batches an epoch, examples a batch), 0 where unknown: a run resumed with
+        # other batches goes on at the same point of its epoch (`resume_position`). None: not in the checkpoint.
+        self.geometry = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="tfmp_geometry")
+        self.saved_geometry = None
         # In the checkpoint from the first save or restore on (an older tfmp's checkpoints lack them).
-        self._optional = {"callbacks": self.callbacks, "metrics": metrics}
+        self._optional = {"callbacks": self.callbacks, "metrics": metrics, "geometry": self.geometry}
         self._kahan = [b.value for b in bf16.buffers(optimizer)]  # Not the optimizer's: see tfmp.bf16.Compensation.
         if self._kahan:
             self._optional["kahan"] = self._kahan
@@ -82,7 +87,13 @@ class Checkpointer:
                 self.checkpoint.callbacks = self.callbacks
             if "kahan" in held and self._kahan:
                 self.checkpoint.kahan = self._kahan
-            self.checkpoint.restore(path).assert_existing_objects_matched()
+            if "geometry" in held:
+                self.checkpoint.geometry = self.geometry
+            status = self.checkpoint.restore(path)
+            status.expect_partial()  # What does not match raises below, once, not again when Python frees it.
+            status.assert_existing_objects_matched()
+            if "geometry" in held:
+                self.saved_geometry = tuple(int(v) for v in self.geometry.numpy())
             if "kahan" not in held:  # Saved with another rounding, or by an older tfmp (as optimizer variables).
                 for buffer in self._kahan:
                     buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
@@ -90,16 +101,18 @@ class Checkpointer:
                 tf.train.Checkpoint(metrics=self._optional["metrics"]).restore(path).expect_partial()
             self._attach()  # In every checkpoint from here.
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
-            first = first_line(e)
-            state = tf.train.get_checkpoint_state(self.restore_from)
-            older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
-            raise UsageError(
-                f"checkpoint {path} does not load into this model ({type(e).__name__}: {first}); "
-                f"use a new --model_dir for a different model, or move the broken checkpoint away"
-                + (f" to resume from {older[-1]}" if older else "")
-            ) from e
-        logging.info("Resumed from %s (step %d, epoch %d)", path, int(self.step), int(self.epoch))
-        return int(self.step)
+            failed = f"{type(e).__name__}: {first_line(e)}"
+        else:
+            logging.info("Resumed from %s (step %d, epoch %d)", path, int(self.step), int(self.epoch))
+            return int(self.step)
+        _quiet_failed_restore(path)
+        state = tf.train.get_checkpoint_state(self.restore_from)
+        older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
+        raise UsageError(
+            f"checkpoint {path} does not load into this model ({failed}); "
+            f"use a new {flag_for(self.restore_from)} for a different model, or move the broken checkpoint away"
+            + (f" to resume from {older[-1]}" if older else "")
+        )
 
     def save(self, step, epoch, position=None):
         """Writes a checkpoint for `step` (batches trained), `epoch` (the epoch to resume in)
@@ -121,6 +134,56 @@ class Checkpointer:
             raise TrainingError(
                 f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
             ) from e
+
+
+def _quiet_failed_restore(path):
+    """Marks what a restore of `path` that raised left behind as partial: freed later (with the objects it
+    reached), TensorFlow's record of it would warn of each value it had not restored, a screen of warnings
+    after the one-line error. Found by its type's name: TensorFlow hands it out only on success."""
+    for record in gc.get_objects():
+        if type(record).__name__ == "_CheckpointRestoreCoordinator" and record.save_path_string == path:
+            record.expect_partial = True
+
+
+def resume_position(epoch, position, saved, now, multiple=1):
+    """Where a resumed run goes on in its input, and what to say of it.
+
+    Args:
+        epoch, position: the epoch the checkpoint resumes in and the batches its run drew from the input.
+        saved, now: (batches an epoch, examples a batch) of the run that saved and of this one, 0 where
+            unknown (an input of unknown length is read afresh each epoch: its position is within the
+            epoch); `saved` None for a checkpoint without them (an older tfmp's): taken as this run's.
+        multiple: batches an update takes (`grad_accum_steps`).
+
+    Returns:
+        (the position in this run's batches, a sentence for the log or None, whether the resume is
+        exact). Where the batches differ, an epoch's start stays its start (exact); a point within an
+        epoch goes on at the same share of this run's epoch, rounded down to a whole update (not exact).
+    """
+    if saved is None or tuple(saved) == tuple(now):
+        return position, None, True
+    (was_period, was_batch), (period, batch) = saved, now
+    offset = position - epoch * was_period
+    shape = f"epochs of {_batches(was_period, was_batch)} when saved, of {_batches(period, batch)} now"
+    if offset == 0:
+        return epoch * period, f"{shape}: epoch {epoch + 1} starts at its first batch", True
+    if was_period and period:
+        moved = offset * period // was_period
+    elif was_batch and batch:
+        moved = offset * was_batch // batch
+    else:
+        moved = offset
+    moved -= moved % multiple
+    note = (
+        f"not an exact resume: {shape}; epoch {epoch + 1}, saved {offset} batches in, goes on at the same share of "
+        f"it, {moved} batches in (resume with the batches it was saved with to go on exactly)"
+    )
+    return epoch * period + moved, note, False
+
+
+def _batches(period, batch):
+    count = f"{period} batches" if period else "batches of unknown count"
+    return f"{count} of {batch}" if batch else count
 
 
 def latest(directory):
@@ -188,13 +251,13 @@ class RunLock:
         handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
         handle.flush()
         self._file = handle
-        _HELD.add(os.path.realpath(self.directory))
+        _HELD[os.path.realpath(self.directory)] = self.flag
         return self
 
     def __exit__(self, *exc):
         if self._file is None:
             return False
-        _HELD.discard(os.path.realpath(self.directory))
+        _HELD.pop(os.path.realpath(self.directory), None)
         os.remove(self.path)  # Still ours: the lock is held until the close below.
         self._file.close()
         return False
@@ -206,7 +269,14 @@ class RunLock:
         return any(path.startswith(held + os.sep) for held in _HELD)
 
 
-_HELD = set()  # The real paths of the directories whose RunLock this process holds.
+_HELD = {}  # The real paths of the directories whose RunLock this process holds, and the flag naming each.
+
+
+def flag_for(directory, default="checkpoint_dir"):
+    """What names `directory` in a message: the flag of a directory above it whose lock this process's run
+    holds (train.py's --model_dir), else `default` (tfmp.fit's argument)."""
+    path = os.path.realpath(directory)
+    return next((flag for held, flag in _HELD.items() if path.startswith(held + os.sep)), default)
 
 
 SETTINGS_FILE = "run.json"
@@ -252,7 +322,7 @@ def check_settings(run_dir, settings, latest_path, force=False):
         raise UsageError(
             f"--model_dir={run_dir} holds a checkpoint of a run with other settings ({', '.join(changed)}); "
             "resuming it would not be exact: use a new --model_dir, or --resume=force to continue from it anyway "
-            "(the input position is then counted in this run's batches)"
+            "(a point within an epoch then goes on at the same share of this run's epoch)"
         )
     epochs_done = int(tf.train.load_variable(latest_path, "epoch/.ATTRIBUTES/VARIABLE_VALUE"))
     if settings["epochs"] < epochs_done:

@@ -80,6 +80,12 @@ class Input:
             raise UsageError(f"{name} has unknown length; several workers need steps_per_epoch to stay in step")
 
     @property
+    def global_batch(self):
+        """Examples a batch (a callable's batches are per replica), or None where the shapes do not say."""
+        batch = batch_dim(self.element_spec)
+        return batch * self.replicas if batch is not None and self.fn is not None else batch
+
+    @property
     def streamed(self):
         return self.period is not None
 

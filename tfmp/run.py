@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, guards, inputs, keras_compat, loss_scale, pydata
+from tfmp import checkpoint, distribute, doctor, guards, keras_compat, loss_scale, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -106,9 +106,7 @@ class Run:
     def _monitor(self, start_step):
         if not self.log_dir:
             return None
-        batch = inputs.batch_dim(self.input.element_spec)
-        if batch is not None and self.input.fn is not None:
-            batch *= self.steps.strategy.num_replicas_in_sync  # The callable's batches are per replica.
+        batch = self.input.global_batch
         return tfmp_callbacks.Monitor(self.log_dir, self.steps.optimizer, batch, self.log_every, start_step=start_step)
 
     def train(self, epoch, epochs, position, step, validation_freq, checkpoint_every):
