@@ -158,15 +158,21 @@ def resume_position(epoch, position, saved, now, multiple=1):
     Returns:
         (the position in this run's batches, a sentence for the log or None, whether the resume is
         exact). Where the batches differ, an epoch's start stays its start (exact); a point within an
-        epoch goes on at the same share of this run's epoch, rounded down to a whole update (not exact).
+        epoch goes on at the same share of this run's epoch, rounded down to a whole update (not exact),
+        as does one that is no whole number of this run's updates.
     """
-    if saved is None or tuple(saved) == tuple(now):
-        return position, None, True
+    saved = tuple(now if saved is None else saved)
     (was_period, was_batch), (period, batch) = saved, now
     offset = position - epoch * was_period
+    if saved == tuple(now) and offset % multiple == 0:
+        return position, None, True
     shape = f"epochs of {_batches(was_period, was_batch)} when saved, of {_batches(period, batch)} now"
     if offset == 0:
         return epoch * period, f"{shape}: epoch {epoch + 1} starts at its first batch", True
+    if saved == tuple(now):
+        moved = offset - offset % multiple
+        note = f"saved {offset} batches into epoch {epoch + 1}, no whole number of this run's {multiple}-batch updates"
+        return epoch * period + moved, f"not an exact resume: {note}; it goes on {moved} batches in", False
     if was_period and period:
         moved = offset * period // was_period
     elif was_batch and batch:
