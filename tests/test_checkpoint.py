@@ -204,6 +204,20 @@ def test_tfmp_fit_resumed_with_another_batch_size_trains_whole_epochs_of_it(tmp_
     assert "not an exact resume: epochs of 16 batches when saved, of 8 batches now; epoch 1, saved 4" in caplog.text
 
 
+def test_a_finished_run_rerun_says_nothing_is_left_to_train(tmp_path, capsys, caplog):
+    import tfmp
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    tfmp.fit(_model(), x, y, batch_size=4, epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
+    capsys.readouterr()
+    history = tfmp.fit(_model(), x, y, batch_size=4, epochs=2, checkpoint_dir=str(tmp_path))
+    assert not history.history and "its 2 epochs are trained, nothing left (more train on)" in capsys.readouterr().out
+    with caplog.at_level("WARNING"):
+        tfmp.fit(_model(), x, y, batch_size=4, epochs=1, verbose=0, checkpoint_dir=str(tmp_path))
+    assert "holds a run that trained 2 epochs, more than epochs=1: nothing trained" in caplog.text
+    assert not capsys.readouterr().out  # verbose=0: nothing printed.
+
+
 ANOTHER_MODEL = """
 import sys, keras, numpy as np, tfmp
 def model(width):

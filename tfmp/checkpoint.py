@@ -114,6 +114,15 @@ class Checkpointer:
             + (f" to resume from {older[-1]}" if older else "")
         )
 
+    def go_on_at(self, epoch, position, now, multiple=1):
+        """This run's position in its input from the restored checkpoint's (`resume_position`), logged where the
+        input's shape changed since; the checkpoints this run saves hold `now`, its own."""
+        position, note, exact = resume_position(epoch, position, self.saved_geometry, now, multiple)
+        self.geometry.assign(now)
+        if note:
+            (logging.info if exact else logging.warning)("%s", note)
+        return position
+
     def save(self, step, epoch, position=None):
         """Writes a checkpoint for `step` (batches trained), `epoch` (the epoch to resume in)
         and `position` (batches drawn from the input; default `step`). Returns its path.
@@ -143,6 +152,23 @@ def _quiet_failed_restore(path):
     for record in gc.get_objects():
         if type(record).__name__ == "_CheckpointRestoreCoordinator" and record.save_path_string == path:
             record.expect_partial = True
+
+
+def say_if_trained(directory, trained, epochs, verbose):
+    """Says why a fit resumed from `directory` trains nothing, where its checkpoint has trained `epochs` or more
+    (train.py says it in its own words)."""
+    if trained < epochs or flag_for(directory) != "checkpoint_dir":
+        return
+    if trained > epochs:
+        logging.warning(
+            "checkpoint_dir=%s holds a run that trained %d epochs, more than epochs=%d: nothing trained (give more "
+            "epochs to train on, or another checkpoint_dir)",
+            directory,
+            trained,
+            epochs,
+        )
+    elif verbose != 0:
+        print(f"checkpoint_dir={directory}: its {epochs} epochs are trained, nothing left (more train on)")
 
 
 def resume_position(epoch, position, saved, now, multiple=1):

@@ -224,7 +224,9 @@ def fit(
             model.reset_metrics()  # What a checkpoint without them leaves (an older tfmp's).
             if saver.restore():
                 initial_epoch, position, step = (int(v.numpy()) for v in (saver.epoch, saver.position, saver.step))
-            position = _go_on_at(saver, train_input, initial_epoch, position, grad_accum_steps)
+                checkpoint.say_if_trained(checkpoint_dir, initial_epoch, epochs, verbose)
+            now = (train_input.period or 0, train_input.global_batch or 0)  # The input's shape: resume_position.
+            position = saver.go_on_at(initial_epoch, position, now, grad_accum_steps)
         cleanup.enter_context(worker_files.apart(callbacks, chief))  # Before Run: the callbacks' set_model.
         run = Run(model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose)
         # What was decided, beside what was asked (decisions.json holds it for reruns).
@@ -246,17 +248,6 @@ def fit(
             raise PeerLost(guards.peer_message(e, saver)) from e
         finally:  # The fit's iterators end with it, as Keras fit's do. Kept, each held its prefetched batches and
             steps.release()  # tf.data's tuning thread, and the bench's process waited 25 s for those threads to exit.
-
-
-def _go_on_at(saver, source, epoch, position, multiple):
-    """This run's position in its input from the checkpoint's (`checkpoint.resume_position`), said where the
-    input's batches changed since; the checkpoints this run saves hold its own."""
-    now = (source.period or 0, source.global_batch or 0)
-    position, note, exact = checkpoint.resume_position(epoch, position, saver.saved_geometry, now, multiple)
-    saver.geometry.assign(now)
-    if note:
-        (logging.info if exact else logging.warning)("%s", note)
-    return position
 
 
 def prepare(
