@@ -218,6 +218,38 @@ def test_a_finished_run_rerun_says_nothing_is_left_to_train(tmp_path, capsys, ca
     assert not capsys.readouterr().out  # verbose=0: nothing printed.
 
 
+@pytest.mark.parametrize(
+    "saved, now, words",
+    [
+        (
+            "float32",
+            "mixed_float16",
+            "float32 weights and no loss scale, and this run trains with float32 weights and a",
+        ),
+        (
+            "mixed_float16",
+            "float32",
+            "float32 weights and a loss scale, and this run trains with float32 weights and no",
+        ),
+        ("float32", "bfloat16", "float32 weights and no loss scale, and this run trains with bfloat16 weights and no"),
+    ],
+)
+def test_a_checkpoint_of_another_precision_says_so(tmp_path, saved, now, words):
+    """Before, the message said the checkpoint belonged to another model, with TensorFlow's dtype error."""
+    import tfmp
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    for policy in (saved, now):
+        tfmp.configure_precision(policy)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(2, dtype="float32")])
+        model.compile(keras.optimizers.Adam(), "mse")
+        if policy == now:
+            with pytest.raises(UsageError, match=f"was saved with {words} loss scale: an optimizer's state does not"):
+                tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+        else:
+            tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+
+
 ANOTHER_MODEL = """
 import sys, keras, numpy as np, tfmp
 def model(width):

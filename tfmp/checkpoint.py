@@ -5,6 +5,7 @@ import json
 import os
 import tempfile
 
+import keras
 import tensorflow as tf
 from absl import logging
 
@@ -34,6 +35,7 @@ class Checkpointer:
     def __init__(self, directory, model, optimizer, max_to_keep=3, restore_from=None):
         self.directory = directory
         self.restore_from = restore_from or directory
+        self._model, self._optimizer = model, optimizer
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_step")
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_epoch")
         self.position = tf.Variable(0, dtype=tf.int64, trainable=False, name="tfmp_position")
@@ -106,11 +108,19 @@ class Checkpointer:
             logging.info("Resumed from %s (step %d, epoch %d)", path, int(self.step), int(self.epoch))
             return int(self.step)
         _quiet_failed_restore(path)
+        flag = flag_for(self.restore_from)
+        saved, now = _precision_form(path, self._model, self._optimizer)
+        if saved != now:
+            raise UsageError(
+                f"checkpoint {path} was saved with {saved}, and this run trains with {now}: an optimizer's state "
+                f"does not carry over between these precisions; resume under the precision it was saved with "
+                f"({'--precision' if flag == '--model_dir' else 'tfmp.configure_precision'}), or use a new {flag}"
+            )
         state = tf.train.get_checkpoint_state(self.restore_from)
         older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
         raise UsageError(
             f"checkpoint {path} does not load into this model ({failed}); "
-            f"use a new {flag_for(self.restore_from)} for a different model, or move the broken checkpoint away"
+            f"use a new {flag} for a different model, or move the broken checkpoint away"
             + (f" to resume from {older[-1]}" if older else "")
         )
 
@@ -143,6 +153,26 @@ class Checkpointer:
             raise TrainingError(
                 f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
             ) from e
+
+
+def _precision_form(path, model, optimizer):
+    """In words, what the checkpoint `path` and this model and optimizer hold that a change of precision
+    changes: loss scaling (mixed_float16) and bfloat16 weights (pure bfloat16)."""
+    dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
+    saved = (
+        any(name.startswith("optimizer/dynamic_scale/") for name in dtypes),
+        any(dtype == tf.bfloat16 for dtype in dtypes.values()),
+    )
+    now = (
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
+        any(w.dtype == "bfloat16" for w in model.weights),
+    )
+
+    def words(scaled, bfloat16):
+        weights = "bfloat16 weights" if bfloat16 else "float32 weights"
+        return f"{weights} and {'a' if scaled else 'no'} loss scale"
+
+    return words(*saved), words(*now)
 
 
 def _quiet_failed_restore(path):
