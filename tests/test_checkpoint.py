@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import checkpoint
+from tfmp import checkpoint, run_directory
 from tfmp.errors import UsageError
 
 
@@ -45,10 +45,10 @@ def test_nothing_saved_yet_and_a_garbage_state_file(tmp_path):
 
 def test_one_run_at_a_time_and_one_lock_per_run(tmp_path):
     run_dir = tmp_path / "run"
-    with checkpoint.RunLock(str(run_dir)):
+    with run_directory.RunLock(str(run_dir)):
         # Another process cannot take it, and is told who holds it.
         held = subprocess.run(
-            [sys.executable, "-c", f"from tfmp import checkpoint\nwith checkpoint.RunLock({str(run_dir)!r}): pass"],
+            [sys.executable, "-c", f"from tfmp import run_directory as d\nwith d.RunLock({str(run_dir)!r}): pass"],
             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             capture_output=True,
             text=True,
@@ -57,28 +57,28 @@ def test_one_run_at_a_time_and_one_lock_per_run(tmp_path):
         assert held.returncode != 0 and f"--model_dir={run_dir} is in use by pid {os.getpid()}" in held.stderr
         # Inside the directory this run holds (tfmp.fit's checkpoint_dir under train.py's
         # --model_dir) no second lock is taken; the same directory twice is refused.
-        with checkpoint.RunLock(str(run_dir / "checkpoints"), "checkpoint_dir"):
+        with run_directory.RunLock(str(run_dir / "checkpoints"), "checkpoint_dir"):
             assert not (run_dir / "checkpoints" / ".lock").exists()
         with pytest.raises(UsageError, match="is in use by"):
-            with checkpoint.RunLock(str(run_dir)):
+            with run_directory.RunLock(str(run_dir)):
                 pass
     assert not (run_dir / ".lock").exists()
-    with checkpoint.RunLock(str(run_dir / "checkpoints"), "checkpoint_dir"):  # Its own lock, now.
+    with run_directory.RunLock(str(run_dir / "checkpoints"), "checkpoint_dir"):  # Its own lock, now.
         assert (run_dir / "checkpoints" / ".lock").exists()
 
 
 def test_settings_that_change_an_exact_resume_are_refused(tmp_path):
     model = _model()
     path = checkpoint.Checkpointer(str(tmp_path / "ckpt"), model, model.optimizer).save(step=4, epoch=2)
-    settings = {key: 1 for key in checkpoint.EXACT} | {"epochs": 3}
-    checkpoint.save_settings(str(tmp_path), settings)
-    checkpoint.check_settings(str(tmp_path), settings, path)  # The same: fine.
+    settings = {key: 1 for key in run_directory.EXACT} | {"epochs": 3}
+    run_directory.save_settings(str(tmp_path), settings)
+    run_directory.check_settings(str(tmp_path), settings, path)  # The same: fine.
     changed = {**settings, "seed": 2}
     with pytest.raises(UsageError, match=r"other settings \(seed 1 -> 2\).*--resume=force"):
-        checkpoint.check_settings(str(tmp_path), changed, path)
-    checkpoint.check_settings(str(tmp_path), changed, path, force=True)
+        run_directory.check_settings(str(tmp_path), changed, path)
+    run_directory.check_settings(str(tmp_path), changed, path, force=True)
     with pytest.raises(UsageError, match="trained 2 epochs already, more than --epochs=1"):
-        checkpoint.check_settings(str(tmp_path), {**settings, "epochs": 1}, path)
+        run_directory.check_settings(str(tmp_path), {**settings, "epochs": 1}, path)
 
 
 def test_callbacks_state_round_trips_and_an_older_checkpoint_without_it_restores(tmp_path):

@@ -12,7 +12,7 @@ import tiny
 from conftest import assert_same, regression, regression_data, seeded, weights
 
 import tfmp
-from tfmp import inputs
+from tfmp import inputs, run_directory
 from tfmp.errors import UsageError
 
 
@@ -378,9 +378,8 @@ def test_non_finite_loss_stops_with_the_culprit_named():
 
 
 def test_checkpoint_dir_is_one_run_at_a_time_and_must_be_writable(tmp_path):
-    from tfmp import checkpoint
 
-    with checkpoint.RunLock(str(tmp_path), "checkpoint_dir"):
+    with run_directory.RunLock(str(tmp_path), "checkpoint_dir"):
         with pytest.raises(UsageError, match="checkpoint_dir=.* is in use by pid"):
             tfmp.fit(regression(), regression_data(), checkpoint_dir=str(tmp_path), verbose=0)
     with pytest.raises(UsageError, match="cannot be written"):

@@ -16,7 +16,7 @@ import pytest
 from absl import flags
 from conftest import GPUS, NO_SHARED_DATASETS, SHARED_DATASETS, train_process
 
-from tfmp import checkpoint, cli
+from tfmp import checkpoint, cli, run_directory
 from tfmp.app import training
 
 SMALL = ["--dataset=synthetic", "--epochs=1", "--steps_per_epoch=2", "--batch_size=16", "--precision=float32"]
@@ -130,7 +130,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, trai
         if callable(prepare):
             prepare(model_dir)
         elif prepare == "lock":
-            lock = checkpoint.RunLock(str(model_dir)).__enter__()
+            lock = run_directory.RunLock(str(model_dir)).__enter__()
     before = snapshot(model_dir)
     given = [a.split("=")[0] for a in args]
     try:

@@ -21,6 +21,7 @@ from tfmp import (
     keras_compat,
     loss_scale,
     precision,
+    run_directory,
     tf_compat,
     worker_files,
     xla,
@@ -215,7 +216,7 @@ def fit(
     saver, position, step = None, initial_epoch * (train_input.period or 0), 0
     with contextlib.ExitStack() as cleanup:
         if checkpoint_dir and chief:  # One run at a time in a checkpoint directory.
-            cleanup.enter_context(checkpoint.RunLock(checkpoint_dir, "checkpoint_dir"))
+            cleanup.enter_context(run_directory.RunLock(checkpoint_dir, "checkpoint_dir"))
         if chosen_now and chief:
             decisions.record(run_dir, "jit_compile", use, why)
         if checkpoint_dir:
@@ -351,7 +352,7 @@ def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, gr
         raise UsageError(f"clipnorm must be a positive finite number, got {clipnorm!r}")
     for name in ("checkpoint_dir", "log_dir"):
         if kw[name]:
-            checkpoint.check_writable(kw[name], name)
+            run_directory.check_writable(kw[name], name)
     if kw["checkpoint_dir"] and any(isinstance(c, keras.callbacks.BackupAndRestore) for c in kw["callbacks"] or ()):
         raise UsageError(
             "checkpoint_dir= and a keras.callbacks.BackupAndRestore would each restore the run: give one "

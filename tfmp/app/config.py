@@ -6,9 +6,9 @@ import re
 
 from tfmp import bf16, distribute, precision
 from tfmp.app import models
-from tfmp.checkpoint import check_writable
 from tfmp.data import sources
 from tfmp.errors import UsageError
+from tfmp.run_directory import check_writable
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ from tfmp import (
     loop,
     loss_scale,
     precision,
+    run_directory,
     seed,
 )
 from tfmp.app import autotune, export, models, report
@@ -150,11 +151,11 @@ class _Setup:
         self.start = checkpoint.step_of(latest)
         # Everything checked: from here on the run writes, and owns --model_dir while it does.
         if self.chief:
-            cleanup.enter_context(checkpoint.RunLock(config.model_dir))
+            cleanup.enter_context(run_directory.RunLock(config.model_dir))
         settings = _settings(config, self.dataset, plan, strategy, self.steps)
-        checkpoint.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
+        run_directory.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
         if self.chief:
-            checkpoint.save_settings(config.model_dir, settings)
+            run_directory.save_settings(config.model_dir, settings)
 
     def decide_precision(self, config, build_model, say):
         """The precision, decided (by a trial on the model where needed) and recorded."""
@@ -303,7 +304,7 @@ def _load_data(config, entry, plan, strategy):
 
 
 def _settings(config, dataset, plan, strategy, steps):
-    """What run.json keeps: the settings an exact resume depends on (see `checkpoint.EXACT`)."""
+    """What run.json keeps: the settings an exact resume depends on (see `run_directory.EXACT`)."""
     return {
         "model": config.model,
         "dataset": dataset,
