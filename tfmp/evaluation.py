@@ -3,7 +3,7 @@
 import keras
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import inputs, keras_compat, loop, tf_compat, xla
+from tfmp import fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp.errors import UsageError
 from tfmp.run import evaluated_nothing, runs_once
 
@@ -56,7 +56,7 @@ def evaluate(
     loop.refuse_own_step(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
     loop.check_verbose(verbose)
-    data, _ = inputs.datasets(
+    data, _ = fit_data.datasets(
         data,
         y,
         strategy=strategy,

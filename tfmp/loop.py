@@ -15,6 +15,7 @@ from tfmp import (
     cudnn,
     decisions,
     distribute,
+    fit_data,
     float8,
     guards,
     inputs,
@@ -173,7 +174,7 @@ def fit(
     if steps_per_execution is None:
         steps_per_execution = getattr(model, "steps_per_execution", 1)
     strategy = _check_arguments(**locals())
-    data, validation_data = inputs.datasets(
+    data, validation_data = fit_data.datasets(
         data,
         y,
         strategy=strategy,

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import float8, gradients, keras_compat, precision
+from tfmp import fit_data, float8, gradients, keras_compat, precision
 from tfmp import inputs as data_inputs
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
 from tfmp.doctor.watch import (
@@ -51,7 +51,7 @@ def diagnose(model, data, steps=8):
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
     targets = data_inputs.needs_targets(model)
-    data, _ = data_inputs.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
+    data, _ = fit_data.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
         raise UsageError(f"diagnose reads a dataset, arrays (x, y), a PyDataset or a generator, not a {kind}")
