@@ -85,3 +85,30 @@ def test_build_for_checks_the_structure_against_the_model():
     no_targets = tf.data.Dataset.from_tensor_slices(np.ones((4, 3), "float32")).batch(2)
     with pytest.raises(UsageError, match="the data gives no targets"):
         inputs.build_for(model, ONE(), no_targets.element_spec)
+
+
+def test_features_the_model_does_not_take_are_left_unread_as_model_fit_leaves_them(caplog):
+    """A dataset with a feature no input takes (an id, a column for another model) trains as under model.fit,
+    with a warning naming it; a feature missing is refused. Before, the extra one was refused too."""
+    import tfmp
+
+    rng = np.random.default_rng(0)
+    features = {"a": rng.normal(size=(32, 3)), "b": rng.normal(size=(32, 2)), "id": np.arange(32)}
+    data = tf.data.Dataset.from_tensor_slices((features, rng.normal(size=(32, 1)))).batch(8)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+        built = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+        built.compile(keras.optimizers.SGD(0.1), "mse")
+        return built
+
+    theirs, ours = model(), model()
+    theirs.fit(data, epochs=2, verbose=0)
+    with caplog.at_level("WARNING"):
+        tfmp.fit(ours, data, epochs=2, verbose=0, jit_compile=False)
+    assert "the data's ['id'] are none of the model's inputs ['a', 'b']: left unread" in caplog.text
+    for mine, keras_own in zip(ours.weights, theirs.weights, strict=True):
+        np.testing.assert_array_equal(mine.numpy(), keras_own.numpy())
+    with pytest.raises(UsageError, match=r"the data's inputs are \['a', 'id'\] but the model takes \['a', 'b'\]"):
+        tfmp.fit(model(), data.map(lambda x, y: ({"a": x["a"], "id": x["id"]}, y)), verbose=0)

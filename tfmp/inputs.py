@@ -6,6 +6,7 @@ import inspect
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tfmp import distribute, keras_compat, pydata
 from tfmp.errors import UsageError, first_line, is_count
@@ -190,8 +191,11 @@ def build_for(model, strategy, element_spec):
         given = tf.nest.flatten(x)
         if isinstance(x, dict):
             names = sorted(i.name for i in inputs)
-            if sorted(x) != names:
+            if set(names) - set(x):
                 raise UsageError(f"the data's inputs are {sorted(x)} but the model takes {names}")
+            unread = sorted(set(x) - set(names))
+            if unread:  # As model.fit reads them: not at all.
+                logging.warning("the data's %s are none of the model's inputs %s: left unread", unread, names)
         elif len(given) != len(inputs):
             raise UsageError(
                 f"the model takes {len(inputs)} input(s) ({', '.join(i.name for i in inputs)}) but the data's "
