@@ -250,6 +250,34 @@ def test_a_checkpoint_of_another_precision_says_so(tmp_path, saved, now, words):
             tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
 
 
+def test_a_rerun_begun_with_another_learning_rate_is_told_the_checkpoints_goes_on(tmp_path, caplog):
+    """An exact resume restores the optimizer's rate as it stood; a script edited to another rate got the old one
+    without a word. A rate a callback lowered during the run that saved is no change of the script's."""
+    import tfmp
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+
+    def model(rate):
+        built = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        built.compile(keras.optimizers.Adam(rate), "mse")
+        return built
+
+    lower = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate / 10)
+    fit = {"batch_size": 4, "verbose": 0, "checkpoint_dir": str(tmp_path)}
+    tfmp.fit(model(0.1), x, y, epochs=1, callbacks=[lower], **fit)
+    with caplog.at_level("WARNING"):
+        tfmp.fit(model(0.1), x, y, epochs=2, **fit)  # The same script: the checkpoint's 0.01 goes on, unsaid.
+    assert "learning rate" not in caplog.text
+    edited = model(0.001)
+    with caplog.at_level("WARNING"):
+        tfmp.fit(edited, x, y, epochs=3, **fit)
+    assert (
+        "began with learning rate 0.001, the run that saved" in caplog.text
+        and "with 0.1: the checkpoint's rate, 0.01" in caplog.text
+    )
+    assert float(edited.optimizer.learning_rate.numpy()) == pytest.approx(0.01)
+
+
 ANOTHER_MODEL = """
 import sys, keras, numpy as np, tfmp
 def model(width):

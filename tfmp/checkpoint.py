@@ -62,8 +62,19 @@ class Checkpointer:
         # other batches goes on at the same point of its epoch (`resume_position`). None: not in the checkpoint.
         self.geometry = tf.Variable([0, 0], dtype=tf.int64, trainable=False, name="tfmp_geometry")
         self.saved_geometry = None
+        # The learning rate the optimizer began this run with, before the restore (the checkpoint's own is the rate
+        # as it stood): a rerun begun with another is told which goes on. -1: a schedule.
+        rate = keras_compat.learning_rate(optimizer)
+        self._rate = rate if isinstance(rate, keras.Variable) else None
+        self._begun = float(self._rate.numpy()) if self._rate is not None else -1.0
+        self.begun_rate = tf.Variable(self._begun, dtype=tf.float64, trainable=False, name="tfmp_begun_rate")
         # In the checkpoint from the first save or restore on (an older tfmp's checkpoints lack them).
-        self._optional = {"callbacks": self.callbacks, "metrics": metrics, "geometry": self.geometry}
+        self._optional = {
+            "callbacks": self.callbacks,
+            "metrics": metrics,
+            "geometry": self.geometry,
+            "begun_rate": self.begun_rate,
+        }
         self._kahan = [b.value for b in bf16.buffers(optimizer)]  # Not the optimizer's: see tfmp.bf16.Compensation.
         if self._kahan:
             self._optional["kahan"] = self._kahan
@@ -88,13 +99,16 @@ class Checkpointer:
                 self.checkpoint.callbacks = self.callbacks
             if "kahan" in held and self._kahan:
                 self.checkpoint.kahan = self._kahan
-            if "geometry" in held:
-                self.checkpoint.geometry = self.geometry
+            for name in ("geometry", "begun_rate"):
+                if name in held:
+                    setattr(self.checkpoint, name, self._optional[name])
             status = self.checkpoint.restore(path)
             status.expect_partial()  # What does not match raises below, once, not again when Python frees it.
             status.assert_existing_objects_matched()
             if "geometry" in held:
                 self.saved_geometry = tuple(int(v) for v in self.geometry.numpy())
+            if "begun_rate" in held:
+                self._say_rate(path, float(self.begun_rate.numpy()))
             if "kahan" not in held:  # Saved with another rounding, or by an older tfmp (as optimizer variables).
                 for buffer in self._kahan:
                     buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
@@ -121,6 +135,22 @@ class Checkpointer:
             f"checkpoint {path} does not load into this model ({failed}); "
             f"use a new {flag} for a different model, or move the broken checkpoint away"
             + (f" to resume from {older[-1]}" if older else "")
+        )
+
+    def _say_rate(self, path, saved):
+        """Warns where this run's optimizer began with another learning rate than the run that saved `path`: the
+        checkpoint's rate goes on, as an exact resume needs, not the one the script now gives."""
+        self.begun_rate.assign(self._begun)  # This run's, in the checkpoints it saves.
+        if min(saved, self._begun) < 0 or abs(saved - self._begun) <= 1e-6 * abs(saved):
+            return
+        logging.warning(
+            "this run's optimizer began with learning rate %g, the run that saved %s with %g: the checkpoint's "
+            "rate, %g, goes on; to train on at another, set it in a callback's on_train_begin, or use a new %s",
+            self._begun,
+            path,
+            saved,
+            float(self._rate.numpy()),
+            flag_for(self.restore_from),
         )
 
     def go_on_at(self, epoch, position, now, multiple=1):
