@@ -227,7 +227,7 @@ def test_the_step_passes_over_the_gradients_for_their_norm_only_where_something_
         tfmp.fit(model, regression_data(), epochs=1, clipnorm=clipnorm, log_dir=log_dir, jit_compile=False, verbose=0)
         trained.append([w.numpy() for w in model.weights])
         if log_dir is None or logged:
-            compiled = loop._STEPS[model][2]  # noqa: SLF001
+            compiled = loop.kept_steps(model)
             graph = compiled.update_graph(iter(regression_data()))
             assert compiled.grad_norm is norm and bool(_NORM_OPS & {op.type for op in graph.get_operations()}) is norm
     for a, b in zip(*trained, strict=True):
@@ -244,14 +244,14 @@ def test_an_evaluate_between_two_fits_keeps_the_compiled_update(tmp_path):
     model.compile(keras.optimizers.Adam(1e-2), "mse")
     settings = dict(grad_accum_steps=2, clipnorm=1.0, jit_compile=True, verbose=0)
     tfmp.fit(model, regression_data(), epochs=1, **settings)
-    compiled = loop._STEPS[model][2]  # noqa: SLF001
+    compiled = loop.kept_steps(model)
     update = compiled._one[False]  # noqa: SLF001 - the traced update, one per choice of XLA.
     traced = update.experimental_get_tracing_count()
     tfmp.evaluate(model, regression_data(), verbose=0)
     assert not compiled.jit_compile  # The evaluate ran without XLA (its default), on the same steps.
     tfmp.fit(model, regression_data(), epochs=2, initial_epoch=1, **settings)
-    assert loop._STEPS[model][2] is compiled and compiled._one[False] is update  # noqa: SLF001
+    assert loop.kept_steps(model) is compiled and compiled._one[False] is update  # noqa: SLF001
     assert compiled.jit_compile and update.experimental_get_tracing_count() == traced == 1
     assert int(model.optimizer.iterations.numpy()) == 8  # 2 epochs of 8 batches, 2 a update.
     tfmp.fit(model, regression_data(), epochs=3, initial_epoch=2, log_dir=str(tmp_path), **settings)
-    assert loop._STEPS[model][2] is compiled and update.experimental_get_tracing_count() == 1  # noqa: SLF001
+    assert loop.kept_steps(model) is compiled and update.experimental_get_tracing_count() == 1

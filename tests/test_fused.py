@@ -61,7 +61,7 @@ def _data():
 
 def _op_types(model):
     """The op types of the model's compiled train step, nested functions included."""
-    graph = loop._STEPS[model][2]._one[False]._list_all_concrete_functions()[0].graph  # noqa: SLF001 - known length.
+    graph = loop.kept_steps(model)._one[False]._list_all_concrete_functions()[0].graph  # noqa: SLF001 - known length.
     definition = graph.as_graph_def()
     ops = {node.op for node in definition.node}
     for function in definition.library.function:
@@ -185,7 +185,7 @@ def test_a_sparse_step_compiles_once_for_every_batch():
     the same whatever the token ids, and has no dynamic shape."""
     model = _model("sgd")
     tfmp.fit(model, _data(), steps_per_epoch=1, verbose=0, jit_compile=True)
-    steps = loop._STEPS[model][2]  # noqa: SLF001
+    steps = loop.kept_steps(model)
     x, y = next(iter(_data()))
     hlo = [steps._step.experimental_get_compiler_ir(((ids, y),))(stage="hlo") for ids in (x, x * 0 + 7)]  # noqa: SLF001
     assert hlo[0] == hlo[1]

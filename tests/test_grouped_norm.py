@@ -76,7 +76,7 @@ def test_training_with_the_grouped_norm_matches_per_gradient(monkeypatch, reques
         model = _model(strategy)
         fit = {"batch_size": 16, "epochs": 2, "clipnorm": 0.05, "strategy": strategy}
         history = tfmp.fit(model, x, y, **fit, jit_compile=jit_compile, verbose=0)
-        assert loop._STEPS[model][2]._grouped is grouped  # noqa: SLF001
+        assert loop.kept_steps(model)._grouped is grouped  # noqa: SLF001
         runs[grouped] = model.get_weights(), history.history["loss"]
     for a, b in zip(runs[False][0], runs[True][0], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,6 @@
 import contextlib
 import math
 import tempfile
-import weakref
 
 import keras
 import numpy as np
@@ -279,7 +278,7 @@ def prepare(
     # The norm as the step would compute it: a loss-scaled or clipped step has it with a log_dir or without.
     grad_norm = computes_norm(model.optimizer, clipnorm, grad_norm)
     settings = ((dtypes, rounding, seed), (grad_accum_steps, clipnorm, steps_per_execution, grad_norm))
-    kept = _STEPS.get(model)
+    kept = getattr(model, _KEPT, None)
     if kept and all(a is b for a, b in zip(kept[0], key, strict=True)) and kept[1][0] == settings[0]:
         if kept[1][1] == settings[1] or evaluating:
             return kept[2]
@@ -293,11 +292,20 @@ def prepare(
         seed=seed,
         grad_norm=grad_norm,
     )
-    _STEPS[model] = key, settings, steps
+    object.__setattr__(model, _KEPT, (key, settings, steps))  # (Past Keras' attribute tracking: no state of its.)
     return steps
 
 
-_STEPS = weakref.WeakKeyDictionary()  # model -> (what its steps were built for, the steps)
+# On the model, as Keras keeps `model.train_function`: freed with it. (Kept in a dictionary keyed weakly by the
+# model, they held it, through their functions, and no model tfmp.fit had trained was ever freed: a sweep's
+# models stayed in memory, each with its optimizer's state.)
+_KEPT = "_tfmp_steps"
+
+
+def kept_steps(model):
+    """The `Steps` `tfmp.fit` or `tfmp.evaluate` last built for `model`, or None."""
+    kept = getattr(model, _KEPT, None)
+    return kept[2] if kept else None
 
 
 def given_data(data, x, caller):

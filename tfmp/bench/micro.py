@@ -113,7 +113,7 @@ def norm_costs(rounds=5, layers=150, steps_per_turn=30, jit_compile=False, polic
                 with gradients.forced_grouping(grouped):  # Read when tfmp's step is compiled, in its first run.
                     runners[variant].run(3)
                 if grouped is not None:  # The step took the variant asked for.
-                    assert loop._STEPS[runners[variant].model][2]._grouped is grouped  # noqa: SLF001
+                    assert loop.kept_steps(runners[variant].model)._grouped is grouped  # noqa: SLF001
             times = _lockstep_rounds(runners, rounds, steps_per_turn)
             ratios = [p / g for p, g in zip(times["per gradient"], times["grouped"], strict=True)]
             cell = {"policy": policy, "optimizer": name, **{f"{v} ms": statistics.median(t) for v, t in times.items()}}
