@@ -278,6 +278,18 @@ def test_a_rerun_begun_with_another_learning_rate_is_told_the_checkpoints_goes_o
     assert float(edited.optimizer.learning_rate.numpy()) == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("part", ["index", "data-00000-of-00001"])
+def test_a_truncated_checkpoint_is_one_usage_error(tmp_path, part):
+    import tfmp
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    tfmp.fit(_model(), x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+    with open(f"{checkpoint.latest(str(tmp_path))}.{part}", "r+b") as f:
+        f.truncate(10)
+    with pytest.raises(UsageError, match="does not load into this model .* or move the broken checkpoint away"):
+        tfmp.fit(_model(), x, y, batch_size=4, epochs=2, verbose=0, checkpoint_dir=str(tmp_path))
+
+
 ANOTHER_MODEL = """
 import sys, keras, numpy as np, tfmp
 def model(width):

@@ -186,8 +186,11 @@ class Checkpointer:
 
 def _precision_form(path, model, optimizer):
     """In words, what the checkpoint `path` and this model and optimizer hold that a change of precision
-    changes: loss scaling (mixed_float16) and bfloat16 weights (pure bfloat16)."""
-    dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
+    changes: loss scaling (mixed_float16) and bfloat16 weights (pure bfloat16); alike where it cannot be read."""
+    try:
+        dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
+    except (tf.errors.OpError, ValueError, OSError):  # Corrupt: the caller's message says so.
+        return None, None
     saved = (
         any(name.startswith("optimizer/dynamic_scale/") for name in dtypes),
         any(dtype == tf.bfloat16 for dtype in dtypes.values()),
