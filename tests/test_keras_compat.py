@@ -340,3 +340,21 @@ def test_a_saveable_attribute_of_an_optimizer_is_saved_and_loaded_beside_it(tmp_
     plain.save(tmp_path / "plain.keras")
     model.load_weights(tmp_path / "plain.keras")  # A file without the entry: an empty store.
     assert model.optimizer._extra.value is None  # noqa: SLF001
+
+
+def test_the_compiled_losses_are_found_in_the_compiled_loss():
+    """tfmp.scalar_losses finds a compiled loss's own losses by walking what it holds; a Keras that keeps them
+    elsewhere fails here."""
+    from tfmp import scalar_losses
+
+    def batch_mean(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, {"a": keras.layers.Dense(1)(inputs), "b": keras.layers.Dense(1)(inputs)})
+    summed = keras.losses.MeanAbsoluteError(reduction="sum")
+    model.compile("sgd", {"a": batch_mean, "b": summed})
+    spec = (tf.TensorSpec((None, 3)), {"a": tf.TensorSpec((None, 1)), "b": tf.TensorSpec((None, 1))})
+    keras_compat.symbolic_build(model, spec)
+    found = scalar_losses._means_in(keras_compat.compiled(model)[0])  # noqa: SLF001
+    assert [getattr(loss, "fn", None) for loss in found] == [batch_mean]  # Not the summed one.

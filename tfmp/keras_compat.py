@@ -14,9 +14,9 @@ optimizers is what tfmp's applier needs), nor the base class of what a `.keras` 
 (`Saveable`: tfmp.bf16's Kahan buffers). The uses of TensorFlow's internals are in tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply` (tfmp.loss_scale), a model's
-`_aggregate_additional_loss` while `compute_loss` runs (the losses layers add, in float32), and an optimizer's
-`_all_reduce_sum_gradients` and `update_step` on tfmp's own shallow copy of it (`reduced_applier`: the user's
-optimizer object is never changed); tests/test_loss_scale.py and tests/test_fused.py cover their use.
+`_aggregate_additional_loss` and its compiled losses' `call` while `compute_loss` runs (the losses layers add, in
+float32; tfmp.scalar_losses), an optimizer's `_all_reduce_sum_gradients` and `update_step` on tfmp's own copy of it
+(`reduced_applier`: the user's optimizer is never changed); tests/test_loss_scale.py and test_fused.py cover them.
 """
 
 import contextlib
@@ -26,6 +26,7 @@ import keras
 from keras.src.saving.keras_saveable import KerasSaveable as Saveable  # noqa: F401 - see the docstring.
 from keras.src.utils import rng_utils  # Keras' record of the global seed.
 
+from tfmp import scalar_losses
 from tfmp.errors import UsageError
 
 
@@ -40,13 +41,12 @@ def compiled(model):
 
 
 def compute_loss(model, x, y, y_pred, sample_weight, training):
-    """The loss `model.fit` minimizes: compiled losses with their weights and sample
-    weights, each a mean over the global batch under a strategy, plus regularization.
+    """The loss `model.fit` minimizes: compiled losses with their weights and sample weights, each a mean over
+    the global batch under a strategy (one returning a scalar too: tfmp.scalar_losses), plus regularization.
 
-    Each loss a layer added (`add_loss`, an `activity_regularizer`) is summed in float32.
-    Keras sums one computed in float16 or bfloat16 in that dtype, then fails adding it to
-    the float32 compiled loss ("Cannot convert a list containing a tensor of dtype float16"),
-    so under a mixed policy `model.fit` cannot train such a model.
+    Each loss a layer added (`add_loss`, an `activity_regularizer`) is summed in float32. Keras sums one computed
+    in float16 or bfloat16 in that dtype, then fails adding it to the float32 compiled loss ("Cannot convert a
+    list containing a tensor of dtype float16"), so under a mixed policy `model.fit` cannot train such a model.
 
     Raises:
         UsageError: the loss is not a scalar (a compiled loss with `reduction=None`).
@@ -59,7 +59,8 @@ def compute_loss(model, x, y, y_pred, sample_weight, training):
 
     object.__setattr__(model, "_aggregate_additional_loss", in_float32)  # Past Keras' tracking; this call only.
     try:
-        loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
+        with scalar_losses.one_per_example(compiled(model)[0]):  # One device's loss under a strategy too.
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
     finally:
         model.__dict__.pop("_aggregate_additional_loss", None)  # (A MirroredStrategy's replicas run one at a time.)
     if loss is not None and loss.shape.rank:
@@ -88,8 +89,7 @@ def call(model, x, training):
 
 
 def slot(optimizer, name, variable):
-    """The slot variable `name` ("momentums", "velocities") that `optimizer` keeps for
-    `variable` (Adam's first and second moments, SGD's momentum)."""
+    """The slot `name` ("momentums", "velocities") `optimizer` keeps for `variable` (Adam's moments, SGD's momentum)."""
     slots = getattr(optimizer, f"_{name}", None) or getattr(optimizer, name)  # SGD's `momentums` has no underscore.
     return slots[variable_index(optimizer, variable)]
 

@@ -1,0 +1,69 @@
+"""A compiled loss whose function returns one number for the batch trains under a strategy as on one device
+(tfmp.scalar_losses): Keras scales every other loss by 1/replicas but not that one, so that `model.fit` under 2
+replicas trains with twice one device's gradient and reports twice its loss."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmp
+
+
+def batch_mean(y_true, y_pred):
+    return keras.ops.mean(keras.ops.square(y_true - y_pred))  # One number, as tutorials write a custom loss.
+
+
+class BatchMean(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+
+def data(weighted=False):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 8)).astype("float32")
+    y = x[:, :1] * 2.0 + 0.5
+    arrays = (x, y, rng.random(128).astype("float32") + 0.5) if weighted else (x, y)
+    return tf.data.Dataset.from_tensor_slices(arrays).batch(32)
+
+
+def trained(strategy, loss, jit_compile, weighted=False):
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), loss)
+    history = tfmp.fit(model, data(weighted), epochs=2, jit_compile=jit_compile, strategy=strategy, verbose=0)
+    return history.history["loss"], [w.numpy() for w in model.weights]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize(
+    "loss", [batch_mean, BatchMean(), keras.losses.MeanSquaredError()], ids=["function", "loss_class", "per_example"]
+)
+def test_a_loss_that_returns_one_number_trains_on_replicas_as_on_one_device(mirrored, loss, jit_compile):
+    one_loss, one = trained(tf.distribute.get_strategy(), loss, jit_compile)
+    two_loss, two = trained(mirrored, loss, jit_compile)
+    np.testing.assert_allclose(two_loss, one_loss, rtol=1e-5)  # Was twice one device's.
+    for a, b in zip(two, one, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_one_number_weighed_by_each_example_stays_near_one_device(mirrored):
+    """Weighed by sample weights, one number for the batch becomes the batch's mean times the weights' mean, a
+    product of two means that no sum over replicas gives exactly (each replica's product, averaged): near one
+    device's, as under model.fit, and not scaled twice by the per-example values tfmp gives Keras."""
+    one_loss, one = trained(tf.distribute.get_strategy(), batch_mean, False, weighted=True)
+    two_loss, two = trained(mirrored, batch_mean, False, weighted=True)
+    np.testing.assert_allclose(two_loss, one_loss, rtol=1e-2)
+    for a, b in zip(two, one, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=5e-3)
+
+
+def test_a_summed_loss_is_left_alone(mirrored):
+    """A sum over replicas of their sums is the global sum: nothing to scale."""
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+    one_loss, one = trained(tf.distribute.get_strategy(), summed, False)
+    two_loss, two = trained(mirrored, summed, False)
+    np.testing.assert_allclose(two_loss, one_loss, rtol=1e-5)
+    for a, b in zip(two, one, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
