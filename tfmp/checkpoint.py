@@ -64,8 +64,7 @@ class Checkpointer:
         self.saved_geometry = None
         # The learning rate the optimizer began this run with, before the restore (the checkpoint's own is the rate
         # as it stood): a rerun begun with another is told which goes on. -1: a schedule.
-        rate = keras_compat.learning_rate(optimizer)
-        self._rate = rate if isinstance(rate, keras.Variable) else None
+        self._rate = learning_rate_variable(optimizer)
         self._begun = float(self._rate.numpy()) if self._rate is not None else -1.0
         self.begun_rate = tf.Variable(self._begun, dtype=tf.float64, trainable=False, name="tfmp_begun_rate")
         # In the checkpoint from the first save or restore on (an older tfmp's checkpoints lack them).
@@ -182,6 +181,13 @@ class Checkpointer:
             raise TrainingError(
                 f"saving a checkpoint in {self.directory} failed ({first}); latest good checkpoint: {latest}"
             ) from e
+
+
+def learning_rate_variable(optimizer):
+    """The variable holding `optimizer`'s learning rate, which a checkpoint restores; None for a schedule or a
+    MultiOptimizer."""
+    rate = keras_compat.learning_rate(optimizer)
+    return rate if isinstance(rate, keras.Variable) else None
 
 
 def _precision_form(path, model, optimizer):

@@ -64,12 +64,6 @@ _ALONE = ", without its validation or on_epoch_end: a worker cannot tell whether
 _HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
 
 
-def _learning_rate(optimizer):
-    """The variable holding `optimizer`'s learning rate, or None (a schedule, a MultiOptimizer)."""
-    rate = keras_compat.learning_rate(optimizer)
-    return rate if isinstance(rate, keras.Variable) else None
-
-
 class Run:
     """One call of `fit`: the epoch loop, callbacks, checkpoints, monitoring and guards."""
 
@@ -221,7 +215,7 @@ class Run:
         the running means go on from the checkpoint's and the learning rate stays the checkpoint's."""
         if not offset:
             self.model.reset_metrics()
-        held = _learning_rate(self.steps.optimizer) if offset else None
+        held = checkpoint.learning_rate_variable(self.steps.optimizer) if offset else None
         kept = None if held is None else held.numpy()
         self.callbacks.on_epoch_begin(epoch)
         if kept is not None:  # Its on_epoch_begin had run before the checkpoint: a LearningRateScheduler
