@@ -2,11 +2,14 @@
 like dense ones), a count of the ops run outside XLA that does not grow with the variables,
 and one compiled step for every batch of token ids."""
 
+import gc
+import weakref
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import GPUS, regression_data
+from conftest import GPUS, regression, regression_data
 
 import tfmp
 from tfmp import loop, steps, xla
@@ -255,3 +258,28 @@ def test_an_evaluate_between_two_fits_keeps_the_compiled_update(tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 8  # 2 epochs of 8 batches, 2 a update.
     tfmp.fit(model, regression_data(), epochs=3, initial_epoch=2, log_dir=str(tmp_path), **settings)
     assert loop.kept_steps(model) is compiled and update.experimental_get_tracing_count() == 1
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_model_is_freed_after_its_fit_as_after_model_fit(mirrored, jit_compile):
+    """A sweep trains model after model in one process: each must go once the user lets go of it, its
+    optimizer's state (and on a GPU its memory) with it. The compiled steps kept for a second fit held every
+    model tfmp.fit or tfmp.evaluate had seen."""
+    made = []
+    for strategy in (tf.distribute.get_strategy(), mirrored):
+        with strategy.scope():
+            model = regression()
+        tfmp.fit(
+            model,
+            regression_data(),
+            epochs=1,
+            validation_data=regression_data(),
+            jit_compile=jit_compile,
+            strategy=strategy,
+            verbose=0,
+        )
+        tfmp.evaluate(model, regression_data(), strategy=strategy, verbose=0)
+        made.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [ref() for ref in made] == [None, None]

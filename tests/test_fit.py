@@ -370,31 +370,6 @@ def test_no_iterator_of_a_fit_outlives_it(monkeypatch, known_length):
     assert [ref() for ref in made] == [None] * len(made)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_model_is_freed_after_its_fit_as_after_model_fit(mirrored, jit_compile):
-    """A sweep trains model after model in one process: each must go once the user lets go of it, its
-    optimizer's state (and on a GPU its memory) with it. The compiled steps kept for a second fit held every
-    model tfmp.fit or tfmp.evaluate had seen."""
-    made = []
-    for strategy in (tf.distribute.get_strategy(), mirrored):
-        with strategy.scope():
-            model = regression()
-        tfmp.fit(
-            model,
-            regression_data(),
-            epochs=1,
-            validation_data=regression_data(),
-            jit_compile=jit_compile,
-            strategy=strategy,
-            verbose=0,
-        )
-        tfmp.evaluate(model, regression_data(), strategy=strategy, verbose=0)
-        made.append(weakref.ref(model))
-        del model
-    gc.collect()
-    assert [ref() for ref in made] == [None, None]
-
-
 def test_non_finite_loss_stops_with_the_culprit_named():
     model = tiny.build(tf.distribute.get_strategy())[0]  # float32: no loss scale to absorb it.
     model.get_layer("inject").bad_replica.assign(0)
