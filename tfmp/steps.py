@@ -13,7 +13,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, keras_compat, packed, tf_compat, xla
+from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, keras_compat, packed, rng, tf_compat, xla
 
 _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")  # Besides metrics.
@@ -121,8 +121,7 @@ class Steps:
         jit = tf_compat.function(jit_compile=True, autograph=False) if self.jit_compile else (lambda fn: fn)
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
-        one = self.strategy.num_replicas_in_sync == 1
-        tpu = distribute.strategy_name(self.strategy) == "tpu"
+        one, tpu = self.strategy.num_replicas_in_sync == 1, distribute.strategy_name(self.strategy) == "tpu"
         # TPUs compile the whole replica function anyway: there the stages stay plain.
         self._split = not one and not tpu
         self._step = jit(self._packed_update) if one else self._packed_update
@@ -217,7 +216,7 @@ class Steps:
         grads, losses, preds = None, [], []
         for batch in batches:  # Unrolled: n is small.
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            with tf.GradientTape() as tape:
+            with tf.GradientTape() as tape, rng.per_replica(self.strategy):  # Dropout: a mask per replica.
                 y_pred = keras_compat.call(model, x, training=True)
                 # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
                 loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
