@@ -356,5 +356,6 @@ def test_the_compiled_losses_are_found_in_the_compiled_loss():
     model.compile("sgd", {"a": batch_mean, "b": summed})
     spec = (tf.TensorSpec((None, 3)), {"a": tf.TensorSpec((None, 1)), "b": tf.TensorSpec((None, 1))})
     keras_compat.symbolic_build(model, spec)
-    found = scalar_losses._means_in(keras_compat.compiled(model)[0])  # noqa: SLF001
+    found = scalar_losses._losses_in(keras_compat.compiled(model)[0], scalar_losses._MEANS)  # noqa: SLF001
     assert [getattr(loss, "fn", None) for loss in found] == [batch_mean]  # Not the summed one.
+    assert scalar_losses._losses_in(keras_compat.compiled(model)[0], ("sum",)) == [summed]  # noqa: SLF001

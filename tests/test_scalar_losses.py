@@ -19,20 +19,28 @@ class BatchMean(keras.losses.Loss):
         return keras.ops.mean(keras.ops.square(y_true - y_pred))
 
 
-def data(weighted=False):
+def data(weighted=False, batch=32):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(128, 8)).astype("float32")
     y = x[:, :1] * 2.0 + 0.5
     arrays = (x, y, rng.random(128).astype("float32") + 0.5) if weighted else (x, y)
-    return tf.data.Dataset.from_tensor_slices(arrays).batch(32)
+    return tf.data.Dataset.from_tensor_slices(arrays).batch(batch)
 
 
-def trained(strategy, loss, jit_compile, weighted=False):
+def trained(strategy, loss, jit_compile, weighted=False, grad_accum_steps=1):
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.01), loss)
-    history = tfmp.fit(model, data(weighted), epochs=2, jit_compile=jit_compile, strategy=strategy, verbose=0)
+    history = tfmp.fit(
+        model,
+        data(weighted, batch=32 // grad_accum_steps),
+        epochs=2,
+        grad_accum_steps=grad_accum_steps,
+        jit_compile=jit_compile,
+        strategy=strategy,
+        verbose=0,
+    )
     return history.history["loss"], [w.numpy() for w in model.weights]
 
 
@@ -67,3 +75,44 @@ def test_a_summed_loss_is_left_alone(mirrored):
     np.testing.assert_allclose(two_loss, one_loss, rtol=1e-5)
     for a, b in zip(two, one, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_summed_loss_accumulated_is_the_sum_over_the_whole_batch(jit_compile):
+    """Accumulated micro-batches of 16 make the update one batch of 32 makes: for a mean, the mean of their means;
+    for a sum, the sum of their sums (was half of it: each micro-batch's loss divided by their number)."""
+    summed = keras.losses.MeanSquaredError(reduction="sum")
+    whole_loss, whole = trained(tf.distribute.get_strategy(), summed, jit_compile)
+    parts_loss, parts = trained(tf.distribute.get_strategy(), summed, jit_compile, grad_accum_steps=2)
+    np.testing.assert_allclose(parts_loss, whole_loss, rtol=1e-5)
+    for a, b in zip(parts, whole, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _token_model(strategy):
+    """Per-token logits of padded sequences (token 0 is padding): the loss is a mean over unmasked tokens."""
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((10,), dtype="int32")
+        hidden = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(5)(hidden))
+        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _tokens(lengths):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, (len(lengths), 10))
+    for row, length in enumerate(lengths):
+        tokens[row, length:] = 0
+    return tf.data.Dataset.from_tensor_slices((tokens, rng.integers(0, 5, (len(lengths), 10)))).batch(4)
+
+
+@pytest.mark.parametrize("parts", ["accumulated", "replicas", "whole"])
+def test_a_masked_mean_over_parts_is_said(mirrored, caplog, parts):
+    strategy = mirrored if parts == "replicas" else tf.distribute.get_strategy()
+    data = _tokens([1, 2, 1, 3, 10, 9, 10, 8])
+    with caplog.at_level("WARNING"):
+        tfmp.fit(_token_model(strategy), data, grad_accum_steps=2 if parts == "accumulated" else 1, verbose=0)
+    said = [r.getMessage() for r in caplog.records if "unmasked elements" in r.getMessage()]
+    assert len(said) == (0 if parts == "whole" else 1)

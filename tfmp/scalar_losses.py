@@ -9,27 +9,54 @@ of one device and reports R times the loss. While tfmp computes the loss, such a
 scalar is given to Keras as that value for each example of the batch, whose mean Keras takes
 and scales as any other: one device's loss and gradients exactly. A loss reduced by "sum" is
 left alone (a sum over replicas is the global sum), as is everything on one replica.
+
+`masked_mean` tells where a mean loss meets a mask: Keras divides by the batch's count of unmasked elements, which
+each replica and micro-batch counts apart (see its docstring).
 """
 
 import contextlib
+import weakref
 
 import keras
 import tensorflow as tf
+from absl import logging
 
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+_warned = weakref.WeakSet()  # The compiled losses `one_per_example` warned of.
 
 
 @contextlib.contextmanager
-def one_per_example(compiled_loss):
-    """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example."""
-    losses = [] if tf.distribute.get_strategy().num_replicas_in_sync == 1 else _means_in(compiled_loss)
+def one_per_example(compiled_loss, y_pred=None, micro_batches=1):
+    """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example.
+    Where the update is made of several replicas' or micro-batches' losses and one of them is a mean over the
+    unmasked elements (`masked_mean`), it warns, once a compiled loss."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
+        _warned.add(compiled_loss)
+        logging.warning(
+            "the loss is a mean over each batch's unmasked elements (a masked output), taken on each of %d replicas "
+            "x %d accumulated batches apart, whose means weigh equally: the update weighs each element as one "
+            "update on the whole batch would only where every part has as many unmasked elements. For exact "
+            "weights, give the loss reduction='sum' and a loss weight of 1 / (the unmasked elements expected in "
+            "an update)",
+            replicas,
+            micro_batches,
+        )
+    losses = [] if replicas == 1 else _losses_in(compiled_loss, _MEANS)
     for loss in losses:
         object.__setattr__(loss, "call", _per_example(loss.call))  # Past Keras' tracking; this call only.
+    sums = [] if micro_batches == 1 else _losses_in(compiled_loss, ("sum",))
+    for loss in sums:  # tfmp divides each micro-batch's loss by their number, as a mean needs; a sum counts whole.
+        object.__setattr__(loss, "call", _times(loss.call, micro_batches))
     try:
         yield
     finally:
-        for loss in losses:
+        for loss in losses + sums:
             loss.__dict__.pop("call", None)
+
+
+def _times(call, factor):
+    return lambda y_true, y_pred: call(y_true, y_pred) * factor
 
 
 def _per_example(call):
@@ -43,8 +70,8 @@ def _per_example(call):
     return per_example
 
 
-def _means_in(root):
-    """The `keras.losses.Loss` objects `root` (a compiled loss) holds, itself excepted, of a mean reduction."""
+def _losses_in(root, reductions):
+    """The `keras.losses.Loss` objects `root` (a compiled loss) holds, itself excepted, of one of `reductions`."""
     if root is None:
         return []
     found, seen, stack = [], {id(root)}, list(vars(root).values())
@@ -54,10 +81,19 @@ def _means_in(root):
             continue
         seen.add(id(value))
         if isinstance(value, keras.losses.Loss):
-            if value.reduction in _MEANS:
+            if value.reduction in reductions:
                 found.append(value)
         elif isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, list | tuple):
             stack.extend(value)
     return found
+
+
+def masked_mean(compiled_loss, y_pred):
+    """Whether a compiled loss of a mean reduction meets a masked output (an `Embedding(mask_zero=True)`'s tokens
+    through a per-token head): Keras' loss is then the mean over the batch's unmasked elements. Each replica and
+    each accumulated micro-batch divides by its own count, and their means weigh equally: one update on the whole
+    batch (one device's) weighs each element equally. Where the counts differ, the updates differ."""
+    masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
+    return masked and bool(_losses_in(compiled_loss, _MEANS))

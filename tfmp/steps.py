@@ -219,7 +219,7 @@ class Steps:
             with tf.GradientTape() as tape, rng.per_replica(self.strategy):  # Dropout: a mask per replica.
                 y_pred = keras_compat.call(model, x, training=True)
                 # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
-                loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True)
+                loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True, micro_batches=n)
                 scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
             new = gradients.shaped(tape.gradient(scaled, self.variables), self.variables)
             # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
