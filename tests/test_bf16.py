@@ -202,7 +202,7 @@ def test_accumulation_sums_bfloat16_gradients_in_float32():
     model = mlp()
     steps = Steps(model, tf.distribute.get_strategy(), grad_accum_steps=2)
     batches = tuple(iter(regression_data()))[:2]
-    grads, _, _ = steps.replica_gradients(batches)
+    grads, *_ = steps.replica_gradients(batches)
     assert all(g.dtype == tf.float32 for g in grads)
 
 

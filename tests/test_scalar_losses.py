@@ -87,32 +87,3 @@ def test_a_summed_loss_accumulated_is_the_sum_over_the_whole_batch(jit_compile):
     np.testing.assert_allclose(parts_loss, whole_loss, rtol=1e-5)
     for a, b in zip(parts, whole, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _token_model(strategy):
-    """Per-token logits of padded sequences (token 0 is padding): the loss is a mean over unmasked tokens."""
-    with strategy.scope():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((10,), dtype="int32")
-        hidden = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(5)(hidden))
-        model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-def _tokens(lengths):
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 20, (len(lengths), 10))
-    for row, length in enumerate(lengths):
-        tokens[row, length:] = 0
-    return tf.data.Dataset.from_tensor_slices((tokens, rng.integers(0, 5, (len(lengths), 10)))).batch(4)
-
-
-@pytest.mark.parametrize("parts", ["accumulated", "replicas", "whole"])
-def test_a_masked_mean_over_parts_is_said(mirrored, caplog, parts):
-    strategy = mirrored if parts == "replicas" else tf.distribute.get_strategy()
-    data = _tokens([1, 2, 1, 3, 10, 9, 10, 8])
-    with caplog.at_level("WARNING"):
-        tfmp.fit(_token_model(strategy), data, grad_accum_steps=2 if parts == "accumulated" else 1, verbose=0)
-    said = [r.getMessage() for r in caplog.records if "unmasked elements" in r.getMessage()]
-    assert len(said) == (0 if parts == "whole" else 1)

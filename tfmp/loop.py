@@ -120,8 +120,8 @@ def fit(
             `model.fit`, unless it sets `async_safe = True` (Keras' own flag).
         strategy: default: the strategy the model was built under.
         grad_accum_steps: every N consecutive batches make one update, equal to one
-            update on their concatenation (a summed loss too; a mean over a masked output's
-            elements is each batch's own mean: a warning says so).
+            update on their concatenation (a summed loss too, and a mean over a masked output's
+            elements, weighed by them where it is the model's one loss; elsewhere a warning says).
         clipnorm: clip the global norm of the all-reduced, unscaled gradients.
         steps_per_execution: updates per compiled call (TPUs: fewer host round trips);
             default: the model's, as model.fit takes it (`compile(steps_per_execution=N)`, 1).

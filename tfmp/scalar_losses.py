@@ -10,8 +10,9 @@ scalar is given to Keras as that value for each example of the batch, whose mean
 and scales as any other: one device's loss and gradients exactly. A loss reduced by "sum" is
 left alone (a sum over replicas is the global sum), as is everything on one replica.
 
-`masked_mean` tells where a mean loss meets a mask: Keras divides by the batch's count of unmasked elements, which
-each replica and micro-batch counts apart (see its docstring).
+`unmasked` counts the elements of a loss that is a mean over a masked output's, which Keras divides by and each
+replica and micro-batch counts apart: tfmp.accumulate weighs the parts by them. `masked_mean` tells where such a
+mean cannot be weighed so (several losses; `mean_with_sample_weight`): then `one_per_example` warns.
 """
 
 import contextlib
@@ -34,11 +35,12 @@ def one_per_example(compiled_loss, y_pred=None, micro_batches=1):
     if (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
         _warned.add(compiled_loss)
         logging.warning(
-            "the loss is a mean over each batch's unmasked elements (a masked output), taken on each of %d replicas "
-            "x %d accumulated batches apart, whose means weigh equally: the update weighs each element as one "
-            "update on the whole batch would only where every part has as many unmasked elements. For exact "
-            "weights, give the loss reduction='sum' and a loss weight of 1 / (the unmasked elements expected in "
-            "an update)",
+            "a loss is a mean over each batch's unmasked elements (a masked output) that tfmp weighs by them only "
+            "as the model's one loss of reduction 'sum_over_batch_size': here each of %d replicas x %d accumulated "
+            "batches takes its own mean, and the means weigh equally, so that the update weighs each element as "
+            "one update on the whole batch would only where every part has as many unmasked elements. For exact "
+            "weights, give it reduction='sum' and a loss weight of 1 / (the unmasked elements expected in an "
+            "update)",
             replicas,
             micro_batches,
         )
@@ -92,8 +94,20 @@ def _losses_in(root, reductions):
 
 def masked_mean(compiled_loss, y_pred):
     """Whether a compiled loss of a mean reduction meets a masked output (an `Embedding(mask_zero=True)`'s tokens
-    through a per-token head): Keras' loss is then the mean over the batch's unmasked elements. Each replica and
-    each accumulated micro-batch divides by its own count, and their means weigh equally: one update on the whole
-    batch (one device's) weighs each element equally. Where the counts differ, the updates differ."""
+    through a per-token head), where `unmasked` does not apply: Keras' loss is then the mean over the batch's
+    unmasked elements, each replica and each accumulated micro-batch divides by its own count, and their means weigh
+    equally, where one update on the whole batch (one device's) weighs each element equally."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
-    return masked and bool(_losses_in(compiled_loss, _MEANS))
+    return masked and bool(_losses_in(compiled_loss, _MEANS)) and unmasked(compiled_loss, y_pred) is None
+
+
+def unmasked(compiled_loss, y_pred):
+    """(the batch's count of unmasked elements, of all its elements), float32, where the compiled loss is one mean
+    over one masked output (`sum_over_batch_size`, Keras' default: its value is the mean over the unmasked
+    elements, whatever the sample weights); else None."""
+    flat = tf.nest.flatten(y_pred)
+    mask = getattr(flat[0], "_keras_mask", None) if len(flat) == 1 else None
+    losses = _losses_in(compiled_loss, _MEANS + ("sum", "none", None))
+    if mask is None or len(losses) != 1 or losses[0].reduction not in ("sum_over_batch_size", "mean"):
+        return None
+    return tf.reduce_sum(tf.cast(mask, tf.float32)), tf.cast(tf.size(mask), tf.float32)

@@ -13,7 +13,20 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, calls, crossing, distribute, float8, fused, gradients, keras_compat, packed, rng, tf_compat, xla
+from tfmp import (
+    accumulate,
+    bf16,
+    calls,
+    crossing,
+    distribute,
+    float8,
+    fused,
+    gradients,
+    keras_compat,
+    packed,
+    tf_compat,
+    xla,
+)
 
 _FAILED = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")  # Besides metrics.
@@ -206,48 +219,22 @@ class Steps:
             kept.clear()
 
     def replica_gradients(self, batches):
-        """Forward and backward passes over this replica's `batches`, gradients summed.
-
-        Returns:
-            (gradients per trainable variable (None where it gets none; embeddings' IndexedSlices stay sparse),
-            each batch's loss, each batch's predictions).
-        """
-        model, n = self.model, len(batches)
-        grads, losses, preds = None, [], []
-        for batch in batches:  # Unrolled: n is small.
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            with tf.GradientTape() as tape, rng.per_replica(self.strategy):  # Dropout: a mask per replica.
-                y_pred = keras_compat.call(model, x, training=True)
-                # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
-                loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True, micro_batches=n)
-                scaled = self.optimizer.scale_loss(loss / n if n > 1 else loss)
-            new = gradients.shaped(tape.gradient(scaled, self.variables), self.variables)
-            # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
-            new = [gradients.to_float32(g) if low else g for g, low in zip(new, self._bf16, strict=True)]
-            if grads is None:
-                grads = new
-            else:  # float8 state: the largest amax of the micro-batches, not their sum.
-                grads = [
-                    (tf.maximum(a, b) if state and a is not None else gradients.add(a, b))
-                    for a, b, state in zip(grads, new, self._state, strict=True)
-                ]
-            losses.append(loss)
-            preds.append(y_pred)
-        return grads, losses, preds
+        """This replica's batches forward and backward, gradients summed: `tfmp.accumulate.replica_gradients`."""
+        return accumulate.replica_gradients(self, batches)
 
     # One update, as a pipeline: gradients -> all-reduce -> unscale and check -> clip -> apply.
 
     def _gradients_stage(self, batches):
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
-        grads, losses, preds = self.replica_gradients(batches)
+        grads, losses, preds, unmasked = self.replica_gradients(batches)
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             self._track_loss(loss, x, skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
-        return grads, tf.add_n(losses) / len(losses)
+        return grads, tf.add_n(losses) / len(losses), unmasked
 
     def _unscale_and_check(self, grads):
         """(gradients with one row per index, their global norm unscaled, per-variable finiteness). One pass
@@ -285,8 +272,8 @@ class Steps:
         return grad_norm, finite
 
     def _compute_stage(self, batches):
-        grads, loss = self._gradients_stage(batches)
-        return (*self._crossing.pack(grads, self.applied), loss)
+        grads, loss, unmasked = self._gradients_stage(batches)
+        return (*self._crossing.pack(grads, self.applied), loss, unmasked)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
         return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
@@ -296,7 +283,7 @@ class Steps:
         # length runs those that take no input from it (iteration count, dropout's seed), as Keras fit does.
         with tf.control_dependencies(tf.nest.flatten(batches, expand_composites=True) if gated else []):
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
-                grads, loss = self._gradients_stage(batches)
+                grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
             *sent, loss = crossing.weigh_by_share(batches, *self._compute(batches), self.strategy.num_replicas_in_sync)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))

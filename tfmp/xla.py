@@ -169,7 +169,7 @@ def _throughput(steps, jit, batches, repeats):
     strategy = steps.strategy
 
     def replica(b):  # Not converted by AutoGraph: `run` is traced without it, and strategy.run then converts nothing.
-        grads, losses, _ = fn(b)
+        grads, losses, *_ = fn(b)
         # A checksum of every output, so that no part of the work can be pruned away.
         sums = [tf.reduce_sum(tf.cast(gradients.values(g), tf.float32)) for g in grads if g is not None]
         return tf.add_n(sums + [tf.cast(x, tf.float32) for x in losses])

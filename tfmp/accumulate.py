@@ -1,0 +1,70 @@
+"""An update's first stage on each replica: its micro-batches forward and backward, their gradients summed.
+
+Each micro-batch's loss is divided by their number, so that the sum is the mean over their concatenation (a loss
+reduced by "sum" counts whole: tfmp.scalar_losses). A mean over a masked output's elements (padded sequences'
+tokens; Keras divides by the batch's count of unmasked ones) has a denominator each micro-batch and each replica
+counts apart, and their means would weigh equally whatever their counts. Where the compiled loss is that one mean
+(`scalar_losses.unmasked`), each micro-batch's loss is weighed by its count, and the sum by the replica's: its
+gradients are the mean over all its unmasked elements, and `tfmp.crossing.weigh_by_share` weighs the replicas by
+their counts, so that each element weighs as in one update on the whole global batch. One micro-batch on one
+replica is left as Keras computes it.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfmp import gradients, keras_compat, rng, scalar_losses
+
+
+def replica_gradients(steps, batches):
+    """Forward and backward passes over this replica's `batches` (`steps`: a `tfmp.steps.Steps`).
+
+    Returns:
+        (gradients per trainable variable (None where it gets none; embeddings' IndexedSlices stay sparse),
+        each batch's loss, each batch's predictions, this replica's count of unmasked elements where the loss is
+        a mean over them and the update has several parts, else None).
+    """
+    model, n = steps.model, len(batches)
+    parts = n > 1 or steps.strategy.num_replicas_in_sync > 1
+    grads, losses, preds, counts = None, [], [], []
+    for batch in batches:  # Unrolled: n is small.
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        with tf.GradientTape() as tape, rng.per_replica(steps.strategy):  # Dropout: a mask per replica.
+            y_pred = keras_compat.call(model, x, training=True)
+            # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
+            loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True, micro_batches=n)
+            unmasked = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred) if parts else None
+            weighed = loss
+            if unmasked is not None:  # Weighed by its share of the elements the first batch holds: near 1.
+                counts.append(unmasked)
+                weighed = loss * tf.cast(tf.math.divide_no_nan(unmasked[0], counts[0][1]), loss.dtype)
+            scaled = steps.optimizer.scale_loss(weighed / n if n > 1 else weighed)
+        new = gradients.shaped(tape.gradient(scaled, steps.variables), steps.variables)
+        # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
+        new = [gradients.to_float32(g) if low else g for g, low in zip(new, steps._bf16, strict=True)]  # noqa: SLF001
+        if grads is None:
+            grads = new
+        else:  # float8 state: the largest amax of the micro-batches, not their sum.
+            grads = [
+                (tf.maximum(a, b) if state and a is not None else gradients.add(a, b))
+                for a, b, state in zip(grads, new, steps._state, strict=True)  # noqa: SLF001
+            ]
+        losses.append(loss)
+        preds.append(y_pred)
+    if not counts:
+        return grads, losses, preds, None
+    return (*_mean_over_elements(steps, grads, losses, counts), preds, tf.add_n([c for c, _ in counts]))
+
+
+def _mean_over_elements(steps, grads, losses, counts):
+    """The gradients and losses of micro-batches weighed by their unmasked elements, as their mean over all of them."""
+    total = tf.add_n([c for c, _ in counts])
+    # The gradients: sum of (count / first batch's elements) x gradient / n; each batch's weight is count / total.
+    factor = tf.math.divide_no_nan(counts[0][1] * len(counts), total)
+    grads = [
+        g if g is None or state else gradients.scale(g, factor)
+        for g, state in zip(grads, steps._state, strict=True)  # noqa: SLF001
+    ]
+    # Each loss x its count x n / total: their mean is the mean over the elements.
+    weights = [tf.math.divide_no_nan(c * len(counts), total) for c, _ in counts]
+    return grads, [loss * tf.cast(w, loss.dtype) for loss, w in zip(losses, weights, strict=True)]
