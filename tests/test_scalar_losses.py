@@ -87,3 +87,23 @@ def test_a_summed_loss_accumulated_is_the_sum_over_the_whole_batch(jit_compile):
     np.testing.assert_allclose(parts_loss, whole_loss, rtol=1e-5)
     for a, b in zip(parts, whole, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_summed_loss_split_unevenly_is_left_alone(mirrored):
+    """35 examples in batches of 8: the last batch of 3 splits 2 and 1. A mean's parts are weighed by their
+    examples (tfmp.crossing.weigh_by_share); a sum's add up as they are (weighed, they were 3e-3 off)."""
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+            )
+            model.compile(keras.optimizers.SGD(0.01), keras.losses.MeanSquaredError(reduction="sum"))
+        x = np.random.default_rng(0).random((35, 8), dtype=np.float32)
+        data = tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True) / 8)).batch(8)
+        tfmp.fit(model, data, epochs=2, jit_compile=False, verbose=0)
+        return [w.numpy() for w in model.weights]
+
+    for a, b in zip(train(mirrored), train(tf.distribute.get_strategy()), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -68,3 +68,9 @@ def _mean_over_elements(steps, grads, losses, counts):
     # Each loss x its count x n / total: their mean is the mean over the elements.
     weights = [tf.math.divide_no_nan(c * len(counts), total) for c, _ in counts]
     return grads, [loss * tf.cast(w, loss.dtype) for loss, w in zip(losses, weights, strict=True)]
+
+
+def summed(model):
+    """Whether the model's compiled losses are all reduced by "sum": the sum of its replicas' parts is the global
+    sum, however the batch splits, and nothing weighs them (`tfmp.crossing.weigh_by_share`)."""
+    return scalar_losses.only_sums(keras_compat.compiled(model)[0])

@@ -83,7 +83,7 @@ def _first(x):
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
 
-def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, replicas):
+def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, replicas, summed=False):
     """What `Crossing.pack` gave (and the loss) weighed by this replica's share of the global batch, where the
     replicas' batches can differ in size. Keras' loss, each replica's mean over its own examples divided by the
     replicas, weighs a replica's examples by how few it got (a last global batch of 1 example on 2 replicas: half
@@ -91,9 +91,10 @@ def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, repl
     where the split is even), the sum over replicas is the mean over the global batch, as on one device. Batches
     of a static size are equal on every replica: nothing to weigh. In replica context; `batches`: this replica's
     (micro-)batches, whose examples it counts; or, where the loss is a mean over a masked output's elements
-    (`tfmp.accumulate`), `unmasked`, the replica's count of them, which weighs it even where the sizes are equal."""
+    (`tfmp.accumulate`), `unmasked`, the replica's count of them, which weighs it even where the sizes are equal.
+    `summed`: the losses are all sums, whose replicas' parts add up to the global sum as they are."""
     inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
-    if unmasked is None and all(_first(x).shape[0] is not None for x in inputs):
+    if summed or unmasked is None and all(_first(x).shape[0] is not None for x in inputs):
         return dense_flat, state_flat, sparse, loss
     count = unmasked if unmasked is not None else tf.add_n([examples(x) for x in inputs])
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)

@@ -111,3 +111,9 @@ def unmasked(compiled_loss, y_pred):
     if mask is None or len(losses) != 1 or losses[0].reduction not in ("sum_over_batch_size", "mean"):
         return None
     return tf.reduce_sum(tf.cast(mask, tf.float32)), tf.cast(tf.size(mask), tf.float32)
+
+
+def only_sums(compiled_loss):
+    """Whether the compiled loss holds losses, all of them reduced by "sum"."""
+    losses = _losses_in(compiled_loss, _MEANS + ("sum", "none", None))
+    return bool(losses) and all(loss.reduction == "sum" for loss in losses)

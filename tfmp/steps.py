@@ -285,7 +285,8 @@ class Steps:
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
                 grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
-            *sent, loss = crossing.weigh_by_share(batches, *self._compute(batches), self.strategy.num_replicas_in_sync)
+            replicas, summed = self.strategy.num_replicas_in_sync, accumulate.summed(self.model)
+            *sent, loss = crossing.weigh_by_share(batches, *self._compute(batches), replicas, summed=summed)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches, gated=False):
