@@ -74,3 +74,24 @@ def summed(model):
     """Whether the model's compiled losses are all reduced by "sum": the sum of its replicas' parts is the global
     sum, however the batch splits, and nothing weighs them (`tfmp.crossing.weigh_by_share`)."""
     return scalar_losses.only_sums(keras_compat.compiled(model)[0])
+
+
+def unmasked_on_replicas(model, y_pred, strategy):
+    """This replica's count of unmasked elements where the loss is a mean over them (`scalar_losses.unmasked`) on
+    several replicas, else None: what weighs its evaluation loss (`as_global`)."""
+    if strategy.num_replicas_in_sync == 1:
+        return None
+    counts = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred)
+    return None if counts is None else counts[0]
+
+
+def as_global(loss, examples, unmasked, replicas):
+    """(loss, examples) for the loss tracker (`Steps._track_loss`) from this replica's share of the global loss as
+    Keras computes it (its own mean over its `unmasked` elements, divided by the replicas) and its `examples`:
+    weighed by its unmasked elements, so that the replicas' sum is the global batch's mean over all of them, and
+    by all the global batch's examples, as one device tracks it."""
+    unmasked_total, total = tf.unstack(
+        tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([unmasked, examples]))
+    )
+    share = tf.cast(tf.math.divide_no_nan(unmasked * replicas, unmasked_total), loss.dtype)
+    return loss * share, total / replicas

@@ -79,6 +79,12 @@ def examples(x):
     return tf.cast(tf.shape(_first(x))[0], tf.float32)
 
 
+def global_examples(batches):
+    """The examples of the replicas' (micro-)batches, summed over replicas (float32; in replica context)."""
+    count = tf.add_n([examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches])
+    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
+
+
 def _first(x):
     return next(t for t in tf.nest.flatten(x) if t is not None)
 

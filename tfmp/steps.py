@@ -230,7 +230,8 @@ class Steps:
         grads, losses, preds, unmasked = self.replica_gradients(batches)
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            self._track_loss(loss, x, skip_non_finite=True)
+            if unmasked is None or self.strategy.num_replicas_in_sync == 1:  # Else logged once weighed.
+                self._track_loss(loss, crossing.examples(x), skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
@@ -285,8 +286,10 @@ class Steps:
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
                 grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
-            replicas, summed = self.strategy.num_replicas_in_sync, accumulate.summed(self.model)
-            *sent, loss = crossing.weigh_by_share(batches, *self._compute(batches), replicas, summed=summed)
+            replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches)
+            *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, summed=accumulate.summed(self.model))
+            if computed[-1] is not None:  # A mean over masked elements, weighed: the global batch's, logged so.
+                self._track_loss(loss, crossing.global_examples(batches) / replicas, skip_non_finite=True)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches, gated=False):
@@ -342,12 +345,14 @@ class Steps:
 
     # ---- evaluation ----
 
-    def _track_loss(self, loss, x, skip_non_finite=False):
+    def _track_loss(self, loss, examples, skip_non_finite=False):
+        """The loss tracker's running mean gets this replica's `loss` (its share of the global batch's) as its
+        own mean, weighed by its `examples`."""
         tracker = keras_compat.loss_tracker(self.model)
         if tracker is None:
             return
         value = loss * self.strategy.num_replicas_in_sync  # This replica's own mean.
-        count = tf.cast(crossing.examples(x), value.dtype)
+        count = tf.cast(examples, value.dtype)
         if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
             ok = tf.math.is_finite(value)
             value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
@@ -356,12 +361,15 @@ class Steps:
     def _replica_forward(self, x, y, sample_weight):
         y_pred = keras_compat.call(self.model, x, training=False)
         loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, training=False)
-        return y_pred, loss
+        return y_pred, loss, accumulate.unmasked_on_replicas(self.model, y_pred, self.strategy)
 
     def _replica_test(self, batch):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        y_pred, loss = self._forward(x, y, sample_weight)
-        self._track_loss(loss, x)
+        y_pred, loss, unmasked = self._forward(x, y, sample_weight)
+        examples = crossing.examples(x)
+        if unmasked is not None:  # A mean over masked elements: logged as the global batch's, as on one device.
+            loss, examples = accumulate.as_global(loss, examples, unmasked, self.strategy.num_replicas_in_sync)
+        self._track_loss(loss, examples)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _test_step(self, batch):
