@@ -53,12 +53,13 @@ def replica_gradients(steps, batches):
         preds.append(y_pred)
     if not counts:
         return grads, losses, preds, None
-    return (*_mean_over_elements(steps, grads, losses, counts), preds, tf.add_n([c for c, _ in counts]))
-
-
-def _mean_over_elements(steps, grads, losses, counts):
-    """The gradients and losses of micro-batches weighed by their unmasked elements, as their mean over all of them."""
     total = tf.add_n([c for c, _ in counts])
+    return (*_mean_over_elements(steps, grads, losses, counts, total), preds, total)
+
+
+def _mean_over_elements(steps, grads, losses, counts, total):
+    """The gradients and losses of micro-batches weighed by their unmasked elements (`total` of them), as their
+    mean over all of them."""
     # The gradients: sum of (count / first batch's elements) x gradient / n; each batch's weight is count / total.
     factor = tf.math.divide_no_nan(counts[0][1] * len(counts), total)
     grads = [

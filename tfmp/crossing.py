@@ -79,12 +79,6 @@ def examples(x):
     return tf.cast(tf.shape(_first(x))[0], tf.float32)
 
 
-def global_examples(batches):
-    """The examples of the replicas' (micro-)batches, summed over replicas (float32; in replica context)."""
-    count = tf.add_n([examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches])
-    return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
-
-
 def _first(x):
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
@@ -100,7 +94,7 @@ def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, repl
     (`tfmp.accumulate`), `unmasked`, the replica's count of them, which weighs it even where the sizes are equal.
     `summed`: the losses are all sums, whose replicas' parts add up to the global sum as they are."""
     inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
-    if summed or unmasked is None and all(_first(x).shape[0] is not None for x in inputs):
+    if summed or (unmasked is None and all(_first(x).shape[0] is not None for x in inputs)):
         return dense_flat, state_flat, sparse, loss
     count = unmasked if unmasked is not None else tf.add_n([examples(x) for x in inputs])
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)

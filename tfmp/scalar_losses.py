@@ -23,6 +23,7 @@ import tensorflow as tf
 from absl import logging
 
 _MEANS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+_ANY = (*_MEANS, "sum", "none", None)  # Every reduction a Keras loss can have.
 _warned = weakref.WeakSet()  # The compiled losses `one_per_example` warned of.
 
 
@@ -98,22 +99,30 @@ def masked_mean(compiled_loss, y_pred):
     unmasked elements, each replica and each accumulated micro-batch divides by its own count, and their means weigh
     equally, where one update on the whole batch (one device's) weighs each element equally."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
-    return masked and bool(_losses_in(compiled_loss, _MEANS)) and unmasked(compiled_loss, y_pred) is None
+    return masked and bool(_losses_in(compiled_loss, _MEANS)) and _weighable_mask(compiled_loss, y_pred) is None
 
 
 def unmasked(compiled_loss, y_pred):
     """(the batch's count of unmasked elements, of all its elements), float32, where the compiled loss is one mean
     over one masked output (`sum_over_batch_size`, Keras' default: its value is the mean over the unmasked
     elements, whatever the sample weights); else None."""
-    flat = tf.nest.flatten(y_pred)
-    mask = getattr(flat[0], "_keras_mask", None) if len(flat) == 1 else None
-    losses = _losses_in(compiled_loss, _MEANS + ("sum", "none", None))
-    if mask is None or len(losses) != 1 or losses[0].reduction not in ("sum_over_batch_size", "mean"):
+    mask = _weighable_mask(compiled_loss, y_pred)
+    if mask is None:
         return None
     return tf.reduce_sum(tf.cast(mask, tf.float32)), tf.cast(tf.size(mask), tf.float32)
 
 
+def _weighable_mask(compiled_loss, y_pred):
+    """The mask of `y_pred` where the compiled loss is one mean over that one output (see `unmasked`), else None."""
+    flat = tf.nest.flatten(y_pred)
+    mask = getattr(flat[0], "_keras_mask", None) if len(flat) == 1 else None
+    losses = _losses_in(compiled_loss, _ANY)
+    if mask is None or len(losses) != 1 or losses[0].reduction not in ("sum_over_batch_size", "mean"):
+        return None
+    return mask
+
+
 def only_sums(compiled_loss):
     """Whether the compiled loss holds losses, all of them reduced by "sum"."""
-    losses = _losses_in(compiled_loss, _MEANS + ("sum", "none", None))
+    losses = _losses_in(compiled_loss, _ANY)
     return bool(losses) and all(loss.reduction == "sum" for loss in losses)

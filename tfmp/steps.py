@@ -287,9 +287,12 @@ class Steps:
                 grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
             replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches)
+            if computed[-1] is not None:  # A mean over masked elements: logged as the global batch's, as evaluated.
+                examples = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in batches])
+                self._track_loss(
+                    *accumulate.as_global(computed[-2], examples, computed[-1], replicas), skip_non_finite=True
+                )
             *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, summed=accumulate.summed(self.model))
-            if computed[-1] is not None:  # A mean over masked elements, weighed: the global batch's, logged so.
-                self._track_loss(loss, crossing.global_examples(batches) / replicas, skip_non_finite=True)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches, gated=False):
