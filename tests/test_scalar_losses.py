@@ -91,7 +91,9 @@ def test_a_summed_loss_accumulated_is_the_sum_over_the_whole_batch(jit_compile):
 
 def test_a_summed_loss_split_unevenly_is_left_alone(mirrored):
     """35 examples in batches of 8: the last batch of 3 splits 2 and 1. A mean's parts are weighed by their
-    examples (tfmp.crossing.weigh_by_share); a sum's add up as they are (weighed, they were 3e-3 off)."""
+    examples (tfmp.crossing.weigh_by_share); a sum's add up as they are (weighed, they were 3e-3 off). The logged
+    loss and val_loss weigh each batch's sum by all its examples, as one device does (each replica's by its own
+    examples, they were 1-2% off)."""
 
     def train(strategy):
         with strategy.scope():
@@ -102,8 +104,10 @@ def test_a_summed_loss_split_unevenly_is_left_alone(mirrored):
             model.compile(keras.optimizers.SGD(0.01), keras.losses.MeanSquaredError(reduction="sum"))
         x = np.random.default_rng(0).random((35, 8), dtype=np.float32)
         data = tf.data.Dataset.from_tensor_slices((x, x.sum(1, keepdims=True) / 8)).batch(8)
-        tfmp.fit(model, data, epochs=2, jit_compile=False, verbose=0)
-        return [w.numpy() for w in model.weights]
+        history = tfmp.fit(model, data, epochs=2, validation_data=data, jit_compile=False, verbose=0).history
+        return [w.numpy() for w in model.weights], history["loss"] + history["val_loss"]
 
-    for a, b in zip(train(mirrored), train(tf.distribute.get_strategy()), strict=True):
+    (weights, logged), (one_weights, one_logged) = train(mirrored), train(tf.distribute.get_strategy())
+    for a, b in zip(weights, one_weights, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logged, one_logged, rtol=1e-5)

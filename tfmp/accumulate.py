@@ -86,13 +86,24 @@ def unmasked_on_replicas(model, y_pred, strategy):
     return None if counts is None else counts[0]
 
 
+def logged_once(model, unmasked, replicas):
+    """Whether each replica's loss is logged once for its batches, as its share of the global batch's (`as_global`),
+    not batch by batch by its own examples: on several replicas, where the loss is a mean over masked elements
+    (`unmasked`) or all sums. One device weighs a batch's sum by all its examples; each replica's by its own, the
+    sums of a last batch split 2 and 1 were 1-2% off in the epoch's loss. (Decided by the model alone, not by the
+    batches' static shapes: a test step can be traced with one replica's static and another's not.)"""
+    return replicas > 1 and (unmasked is not None or summed(model))
+
+
 def as_global(loss, examples, unmasked, replicas):
     """(loss, examples) for the loss tracker (`Steps._track_loss`) from this replica's share of the global loss as
-    Keras computes it (its own mean over its `unmasked` elements, divided by the replicas) and its `examples`:
-    weighed by its unmasked elements, so that the replicas' sum is the global batch's mean over all of them, and
-    by all the global batch's examples, as one device tracks it."""
-    unmasked_total, total = tf.unstack(
-        tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, tf.stack([unmasked, examples]))
-    )
-    share = tf.cast(tf.math.divide_no_nan(unmasked * replicas, unmasked_total), loss.dtype)
-    return loss * share, total / replicas
+    Keras computes it and its `examples`, weighed by all the global batch's examples, as one device tracks it. A mean
+    over `unmasked` elements (this replica's own mean, divided by the replicas) is weighed by its unmasked elements
+    too, so that the replicas' sum is the global batch's mean over all of them; a sum (`unmasked` None) adds up as
+    it is."""
+    counts = tf.stack([examples, examples if unmasked is None else unmasked])
+    reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, counts)
+    total, unmasked_total = tf.unstack(reduced)
+    if unmasked is not None:
+        loss = loss * tf.cast(tf.math.divide_no_nan(unmasked * replicas, unmasked_total), loss.dtype)
+    return loss, total / replicas

@@ -230,7 +230,7 @@ class Steps:
         grads, losses, preds, unmasked = self.replica_gradients(batches)
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            if unmasked is None or self.strategy.num_replicas_in_sync == 1:  # Else logged once weighed.
+            if not accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
                 self._track_loss(loss, crossing.examples(x), skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
@@ -287,7 +287,7 @@ class Steps:
                 grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
             replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches)
-            if computed[-1] is not None:  # A mean over masked elements: logged as the global batch's, as evaluated.
+            if accumulate.logged_once(self.model, computed[-1], replicas):  # As the global batch's.
                 examples = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in batches])
                 self._track_loss(
                     *accumulate.as_global(computed[-2], examples, computed[-1], replicas), skip_non_finite=True
@@ -370,7 +370,7 @@ class Steps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         y_pred, loss, unmasked = self._forward(x, y, sample_weight)
         examples = crossing.examples(x)
-        if unmasked is not None:  # A mean over masked elements: logged as the global batch's, as on one device.
+        if accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
             loss, examples = accumulate.as_global(loss, examples, unmasked, self.strategy.num_replicas_in_sync)
         self._track_loss(loss, examples)
         self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
