@@ -13,7 +13,7 @@ replica is left as Keras computes it.
 import keras
 import tensorflow as tf
 
-from tfmp import gradients, keras_compat, rng, scalar_losses
+from tfmp import crossing, gradients, keras_compat, rng, scalar_losses
 
 
 def replica_gradients(steps, batches):
@@ -27,18 +27,22 @@ def replica_gradients(steps, batches):
     model, n = steps.model, len(batches)
     parts = n > 1 or steps.strategy.num_replicas_in_sync > 1
     grads, losses, preds, counts = None, [], [], []
-    for batch in batches:  # Unrolled: n is small.
+    for batch, share in zip(batches, shares(batches), strict=True):  # Unrolled: n is small.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+        sums_times = None if isinstance(share, float) else tf.math.divide_no_nan(1.0, share)  # Else n.
         with tf.GradientTape() as tape, rng.per_replica(steps.strategy):  # Dropout: a mask per replica.
             y_pred = keras_compat.call(model, x, training=True)
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
-            loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, training=True, micro_batches=n)
+            loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, True, n, sums_times)
             unmasked = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred) if parts else None
-            weighed = loss
             if unmasked is not None:  # Weighed by its share of the elements the first batch holds: near 1.
                 counts.append(unmasked)
-                weighed = loss * tf.cast(tf.math.divide_no_nan(unmasked[0], counts[0][1]), loss.dtype)
-            scaled = steps.optimizer.scale_loss(weighed / n if n > 1 else weighed)
+                weighed = loss * tf.cast(tf.math.divide_no_nan(unmasked[0], counts[0][1]), loss.dtype) / n
+            elif isinstance(share, float):  # Batches of one size.
+                weighed = loss / n if n > 1 else loss
+            else:  # Weighed by its share of the examples; kept as one of n losses whose mean is the update's.
+                weighed, loss = loss * tf.cast(share, loss.dtype), loss * tf.cast(share * n, loss.dtype)
+            scaled = steps.optimizer.scale_loss(weighed)
         new = gradients.shaped(tape.gradient(scaled, steps.variables), steps.variables)
         # A bfloat16 weight's gradient is summed, all-reduced and clipped in float32.
         new = [gradients.to_float32(g) if low else g for g, low in zip(new, steps._bf16, strict=True)]  # noqa: SLF001
@@ -55,6 +59,17 @@ def replica_gradients(steps, batches):
         return grads, losses, preds, None
     total = tf.add_n([c for c, _ in counts])
     return (*_mean_over_elements(steps, grads, losses, counts, total), preds, total)
+
+
+def shares(batches):
+    """Each micro-batch's share of the examples `batches` hold, which weighs its mean loss (a sum's counts whole): 1/n
+    each where their sizes are static, else its examples over all (a last one of 2 examples beside one of 4 weighs
+    a third, where 1/2 weighed each of its examples twice as much as the others)."""
+    if len(batches) == 1 or not crossing.sizes_vary(batches):
+        return [1.0 / len(batches)] * len(batches)
+    counts = [crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
+    total = tf.add_n(counts)
+    return [tf.math.divide_no_nan(count, total) for count in counts]
 
 
 def _mean_over_elements(steps, grads, losses, counts, total):

@@ -83,6 +83,11 @@ def _first(x):
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
 
+def sizes_vary(batches):
+    """Whether `batches`' sizes are not all static: they can differ (the last of an epoch, or a replica's share)."""
+    return any(_first(keras.utils.unpack_x_y_sample_weight(batch)[0]).shape[0] is None for batch in batches)
+
+
 def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, replicas, summed=False):
     """What `Crossing.pack` gave (and the loss) weighed by this replica's share of the global batch, where the
     replicas' batches can differ in size. Keras' loss, each replica's mean over its own examples divided by the
@@ -93,9 +98,9 @@ def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, repl
     (micro-)batches, whose examples it counts; or, where the loss is a mean over a masked output's elements
     (`tfmp.accumulate`), `unmasked`, the replica's count of them, which weighs it even where the sizes are equal.
     `summed`: the losses are all sums, whose replicas' parts add up to the global sum as they are."""
-    inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
-    if summed or (unmasked is None and all(_first(x).shape[0] is not None for x in inputs)):
+    if summed or (unmasked is None and not sizes_vary(batches)):
         return dense_flat, state_flat, sparse, loss
+    inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
     count = unmasked if unmasked is not None else tf.add_n([examples(x) for x in inputs])
     total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
     weight = tf.math.divide_no_nan(count * replicas, total)

@@ -70,6 +70,22 @@ class Input:
                         f"the largest grad_accum_steps it fills is {cardinality} (or repeat the data and give "
                         f"{steps_arg})"
                     )
+                if cardinality % grad_accum_steps:
+                    logging.warning(
+                        "%s holds %d batches and grad_accum_steps=%d makes an update of every %d: each epoch makes "
+                        "%d updates and leaves out its last %d batch(es), drawn and not trained on (a dataset that "
+                        "does not shuffle never trains on them). Give %s a number of batches that %d divides (arrays: "
+                        "another batch_size), or repeat it and give %s",
+                        name,
+                        cardinality,
+                        grad_accum_steps,
+                        grad_accum_steps,
+                        self.steps // grad_accum_steps,
+                        cardinality % grad_accum_steps,
+                        name,
+                        grad_accum_steps,
+                        steps_arg,
+                    )
             batch = batch_dim(self.element_spec)
             if batch is not None:
                 distribute.check_divides(batch, self.replicas, f"{name}'s global batch size")

@@ -40,7 +40,7 @@ def compiled(model):
     return getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None)
 
 
-def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1):
+def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1, sums_times=None):
     """The loss `model.fit` minimizes: compiled losses with their weights and sample weights, each a mean over
     the global batch under a strategy (one returning a scalar too: tfmp.scalar_losses), plus regularization.
 
@@ -59,7 +59,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1):
 
     object.__setattr__(model, "_aggregate_additional_loss", in_float32)  # Past Keras' tracking; this call only.
     try:
-        with scalar_losses.one_per_example(compiled(model)[0], y_pred, micro_batches):  # As one device's, or says.
+        with scalar_losses.one_per_example(compiled(model)[0], y_pred, micro_batches, sums_times):  # As one device's.
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
     finally:
         model.__dict__.pop("_aggregate_additional_loss", None)  # (A MirroredStrategy's replicas run one at a time.)

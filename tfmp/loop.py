@@ -120,8 +120,9 @@ def fit(
             `model.fit`, unless it sets `async_safe = True` (Keras' own flag).
         strategy: default: the strategy the model was built under.
         grad_accum_steps: every N consecutive batches make one update, equal to one
-            update on their concatenation (a summed loss too, and a mean over a masked output's
-            elements, weighed by them where it is the model's one loss; elsewhere a warning says).
+            update on their concatenation (batches of different sizes, a summed loss, and a mean over a
+            masked output's elements, weighed by them where it is the model's one loss; elsewhere a
+            warning says). An epoch's batches past its last whole update are left out, with a warning.
         clipnorm: clip the global norm of the all-reduced, unscaled gradients.
         steps_per_execution: updates per compiled call (TPUs: fewer host round trips);
             default: the model's, as model.fit takes it (`compile(steps_per_execution=N)`, 1).

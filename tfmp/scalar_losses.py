@@ -28,10 +28,12 @@ _warned = weakref.WeakSet()  # The compiled losses `one_per_example` warned of.
 
 
 @contextlib.contextmanager
-def one_per_example(compiled_loss, y_pred=None, micro_batches=1):
-    """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example.
-    Where the update is made of several replicas' or micro-batches' losses and one of them is a mean over the
-    unmasked elements (`masked_mean`), it warns, once a compiled loss."""
+def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None):
+    """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example, and
+    of "sum", `sums_times` (default `micro_batches`) their value: the micro-batch's loss is weighed by its share of
+    the update's examples (1 / micro_batches where they are equal), and a sum counts whole. Where the update is made
+    of several replicas' or micro-batches' losses and one of them is a mean over the unmasked elements
+    (`masked_mean`), it warns, once a compiled loss."""
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     if (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
         _warned.add(compiled_loss)
@@ -50,7 +52,7 @@ def one_per_example(compiled_loss, y_pred=None, micro_batches=1):
         object.__setattr__(loss, "call", _per_example(loss.call))  # Past Keras' tracking; this call only.
     sums = [] if micro_batches == 1 else _losses_in(compiled_loss, ("sum",))
     for loss in sums:  # tfmp divides each micro-batch's loss by their number, as a mean needs; a sum counts whole.
-        object.__setattr__(loss, "call", _times(loss.call, micro_batches))
+        object.__setattr__(loss, "call", _times(loss.call, micro_batches if sums_times is None else sums_times))
     try:
         yield
     finally:

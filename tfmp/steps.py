@@ -228,10 +228,12 @@ class Steps:
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
         grads, losses, preds, unmasked = self.replica_gradients(batches)
+        examples = [crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
+        each = examples[0] if len(batches) == 1 else tf.add_n(examples) / len(batches)  # The losses: as their mean's.
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             if not accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
-                self._track_loss(loss, crossing.examples(x), skip_non_finite=True)
+                self._track_loss(loss, each, skip_non_finite=True)
             self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
