@@ -1,12 +1,13 @@
 """An update's first stage on each replica: its micro-batches forward and backward, their gradients summed.
 
-Each micro-batch's loss is divided by their number, so that the sum is the mean over their concatenation (a loss
-reduced by "sum" counts whole: tfmp.scalar_losses). A mean over a masked output's elements (padded sequences'
-tokens; Keras divides by the batch's count of unmasked ones) has a denominator each micro-batch and each replica
-counts apart, and their means would weigh equally whatever their counts. Where the compiled loss is that one mean
-(`scalar_losses.unmasked`), each micro-batch's loss is weighed by its count, and the sum by the replica's: its
-gradients are the mean over all its unmasked elements, and `tfmp.crossing.weigh_by_share` weighs the replicas by
-their counts, so that each element weighs as in one update on the whole global batch. One micro-batch on one
+Each micro-batch's loss is weighed by its share of the examples (1/their number where the sizes are static), so
+that the sum is the mean over their concatenation (a loss reduced by "sum" counts whole: tfmp.scalar_losses). A
+mean over a masked output's elements (padded sequences' tokens; Keras divides by the batch's count of unmasked
+ones) has a denominator each micro-batch and each replica counts apart, and their means would weigh equally
+whatever their counts. Where the compiled loss is that one mean (`scalar_losses.unmasked`), each micro-batch's loss
+is weighed by its count, and the sum by the replica's: its gradients are the mean over all its unmasked elements,
+and `tfmp.crossing.weigh_by_share` weighs the replicas by their counts, so that each element weighs as in one
+update on the whole global batch. One micro-batch on one
 replica is left as Keras computes it.
 """
 
