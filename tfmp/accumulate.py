@@ -7,8 +7,7 @@ ones) has a denominator each micro-batch and each replica counts apart, and thei
 whatever their counts. Where the compiled loss is that one mean (`scalar_losses.unmasked`), each micro-batch's loss
 is weighed by its count, and the sum by the replica's: its gradients are the mean over all its unmasked elements,
 and `tfmp.crossing.weigh_by_share` weighs the replicas by their counts, so that each element weighs as in one
-update on the whole global batch. One micro-batch on one
-replica is left as Keras computes it.
+update on the whole global batch. One micro-batch on one replica is left as Keras computes it.
 """
 
 import keras
