@@ -153,3 +153,30 @@ def test_batches_past_the_last_whole_update_are_said(caplog):
         tfmp.fit(model, x, x[:, :1], batch_size=4, grad_accum_steps=2, verbose=0)
     said = [r.getMessage() for r in caplog.records if "leaves out" in r.getMessage()]
     assert said and "holds 9 batches" in said[0] and "makes 4 updates and leaves out its last 1 batch" in said[0]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_sum_and_mean_losses_split_unevenly_train_as_on_one_device(mirrored, jit_compile):
+    """Two outputs, one loss reduced by "sum", one a mean; 35 examples in batches of 8 on 2 replicas, the last
+    batch split 2 and 1. Weighed by its share of the examples, each replica's whole loss weighed its sum by it too
+    (weights 3.3e-3 from one device's after 2 epochs, val_loss 0.6%); the share is now counted before the losses
+    and each sum divided by it first (tfmp.accumulate.replica_share)."""
+    x = np.random.default_rng(0).random((35, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, {"a": x[:, :1], "b": x[:, 1:2]})).batch(8)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((8,))
+            hidden = keras.layers.Dense(4, activation="relu")(inputs)
+            outputs = {"a": keras.layers.Dense(1, name="a")(hidden), "b": keras.layers.Dense(1, name="b")(hidden)}
+            model = keras.Model(inputs, outputs)
+            losses = {"a": keras.losses.MeanSquaredError(reduction="sum"), "b": keras.losses.MeanSquaredError()}
+            model.compile(keras.optimizers.SGD(0.01), losses, loss_weights={"a": 0.5, "b": 1.0})
+        history = tfmp.fit(model, data, epochs=2, validation_data=data, jit_compile=jit_compile, verbose=0).history
+        return [w.numpy() for w in model.weights], history["loss"] + history["val_loss"]
+
+    (weights, logged), (one_weights, one_logged) = train(mirrored), train(tf.distribute.get_strategy())
+    for a, b in zip(weights, one_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logged, one_logged, rtol=1e-5)

@@ -16,8 +16,9 @@ import tensorflow as tf
 from tfmp import crossing, gradients, keras_compat, rng, scalar_losses
 
 
-def replica_gradients(steps, batches):
-    """Forward and backward passes over this replica's `batches` (`steps`: a `tfmp.steps.Steps`).
+def replica_gradients(steps, batches, replica_share=None):
+    """Forward and backward passes over this replica's `batches` (`steps`: a `tfmp.steps.Steps`); `replica_share`:
+    what `crossing.weigh_by_share` will weigh them by, counted before (`replica_share`), which the sums undo.
 
     Returns:
         (gradients per trainable variable (None where it gets none; embeddings' IndexedSlices stay sparse),
@@ -30,6 +31,8 @@ def replica_gradients(steps, batches):
     for batch, share in zip(batches, shares(batches), strict=True):  # Unrolled: n is small.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         sums_times = None if isinstance(share, float) else tf.math.divide_no_nan(1.0, share)  # Else n.
+        if replica_share is not None:  # Weighed by it later, as the means are: whole after.
+            sums_times = tf.math.divide_no_nan(1.0, share * replica_share)
         with tf.GradientTape() as tape, rng.per_replica(steps.strategy):  # Dropout: a mask per replica.
             y_pred = keras_compat.call(model, x, training=True)
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
@@ -99,6 +102,21 @@ def unmasked_on_replicas(model, y_pred, strategy):
         return None
     counts = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred)
     return None if counts is None else counts[0]
+
+
+def replica_share(model, batches, replicas, by_shapes=True):
+    """This replica's examples x replicas / the global batch's (1 where the split is even), where the compiled losses
+    mix "sum" and mean reductions and the batches can split unevenly, else None. `crossing.weigh_by_share` weighs
+    the whole loss by it, which makes each replica's mean part of the global mean; counted before the losses, it
+    lets each sum be divided by it first, so that it counts whole (weighed after, the sums of a last batch split 2
+    and 1 were off: weights 3.3e-3 from one device's after 2 epochs). `by_shapes` False: even where the sizes are
+    static (an evaluation step can be traced with one replica's batch static and another's not)."""
+    mixed = scalar_losses.mixes_sums(keras_compat.compiled(model)[0])
+    if replicas == 1 or not mixed or (by_shapes and not crossing.sizes_vary(batches)):
+        return None
+    count = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches])
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
+    return tf.math.divide_no_nan(count * replicas, total)
 
 
 def logged_once(model, unmasked, replicas):

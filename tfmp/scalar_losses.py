@@ -50,7 +50,7 @@ def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None
     losses = [] if replicas == 1 else _losses_in(compiled_loss, _MEANS)
     for loss in losses:
         object.__setattr__(loss, "call", _per_example(loss.call))  # Past Keras' tracking; this call only.
-    sums = [] if micro_batches == 1 else _losses_in(compiled_loss, ("sum",))
+    sums = [] if micro_batches == 1 and sums_times is None else _losses_in(compiled_loss, ("sum",))
     for loss in sums:  # tfmp divides each micro-batch's loss by their number, as a mean needs; a sum counts whole.
         object.__setattr__(loss, "call", _times(loss.call, micro_batches if sums_times is None else sums_times))
     try:
@@ -102,6 +102,12 @@ def masked_mean(compiled_loss, y_pred):
     equally, where one update on the whole batch (one device's) weighs each element equally."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
     return masked and bool(_losses_in(compiled_loss, _MEANS)) and _weighable_mask(compiled_loss, y_pred) is None
+
+
+def mixes_sums(compiled_loss):
+    """Whether the compiled loss holds losses reduced by "sum" beside losses of other reductions."""
+    reductions = {loss.reduction for loss in _losses_in(compiled_loss, _ANY)}
+    return "sum" in reductions and len(reductions) > 1
 
 
 def unmasked(compiled_loss, y_pred):

@@ -224,10 +224,10 @@ class Steps:
 
     # One update, as a pipeline: gradients -> all-reduce -> unscale and check -> clip -> apply.
 
-    def _gradients_stage(self, batches):
+    def _gradients_stage(self, batches, replica_share=None):
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
-        grads, losses, preds, unmasked = self.replica_gradients(batches)
+        grads, losses, preds, unmasked = accumulate.replica_gradients(self, batches, replica_share)
         examples = [crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
         each = examples[0] if len(batches) == 1 else tf.add_n(examples) / len(batches)  # The losses: as their mean's.
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
@@ -274,8 +274,8 @@ class Steps:
                 object.__setattr__(self._applier, "all_finite", None)
         return grad_norm, finite
 
-    def _compute_stage(self, batches):
-        grads, loss, unmasked = self._gradients_stage(batches)
+    def _compute_stage(self, batches, replica_share=None):
+        grads, loss, unmasked = self._gradients_stage(batches, replica_share)
         return (*self._crossing.pack(grads, self.applied), loss, unmasked)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
@@ -288,13 +288,13 @@ class Steps:
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
                 grads, loss, _ = self._gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
-            replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches)
+            share = accumulate.replica_share(self.model, batches, self.strategy.num_replicas_in_sync)
+            replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches, share)
             if accumulate.logged_once(self.model, computed[-1], replicas):  # As the global batch's.
                 examples = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in batches])
-                self._track_loss(
-                    *accumulate.as_global(computed[-2], examples, computed[-1], replicas), skip_non_finite=True
-                )
-            *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, summed=accumulate.summed(self.model))
+                tracked = accumulate.as_global(computed[-2], examples, computed[-1], replicas)
+                self._track_loss(*tracked, skip_non_finite=True)
+            *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, accumulate.summed(self.model), share)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
     def _update(self, batches, gated=False):
@@ -351,26 +351,26 @@ class Steps:
     # ---- evaluation ----
 
     def _track_loss(self, loss, examples, skip_non_finite=False):
-        """The loss tracker's running mean gets this replica's `loss` (its share of the global batch's) as its
-        own mean, weighed by its `examples`."""
+        """The loss tracker's running mean gets this replica's `loss` (its share of the global's) x replicas."""
         tracker = keras_compat.loss_tracker(self.model)
         if tracker is None:
             return
-        value = loss * self.strategy.num_replicas_in_sync  # This replica's own mean.
-        count = tf.cast(examples, value.dtype)
+        value, count = loss * self.strategy.num_replicas_in_sync, tf.cast(examples, loss.dtype)  # Its own mean.
         if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
             ok = tf.math.is_finite(value)
             value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
         tracker.update_state(value, sample_weight=count)
 
-    def _replica_forward(self, x, y, sample_weight):
+    def _replica_forward(self, x, y, sample_weight, share=None):
         y_pred = keras_compat.call(self.model, x, training=False)
-        loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, training=False)
+        sums_times = None if share is None else tf.math.divide_no_nan(1.0, share)  # Each sum whole once weighed.
+        loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, False, 1, sums_times)
         return y_pred, loss, accumulate.unmasked_on_replicas(self.model, y_pred, self.strategy)
 
     def _replica_test(self, batch):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        y_pred, loss, unmasked = self._forward(x, y, sample_weight)
+        share = accumulate.replica_share(self.model, [batch], self.strategy.num_replicas_in_sync, by_shapes=False)
+        y_pred, loss, unmasked = self._forward(x, y, sample_weight, share)
         examples = crossing.examples(x)
         if accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
             loss, examples = accumulate.as_global(loss, examples, unmasked, self.strategy.num_replicas_in_sync)
