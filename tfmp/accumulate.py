@@ -30,9 +30,8 @@ def replica_gradients(steps, batches, replica_share=None):
     grads, losses, preds, counts = None, [], [], []
     for batch, share in zip(batches, shares(batches), strict=True):  # Unrolled: n is small.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-        sums_times = None if isinstance(share, float) else tf.math.divide_no_nan(1.0, share)  # Else n.
-        if replica_share is not None:  # Weighed by it later, as the means are: whole after.
-            sums_times = tf.math.divide_no_nan(1.0, share * replica_share)
+        whole = share if replica_share is None else share * replica_share  # What weighs a sum, undone first.
+        sums_times = None if isinstance(whole, float) else tf.math.divide_no_nan(1.0, whole)  # None: n.
         with tf.GradientTape() as tape, rng.per_replica(steps.strategy):  # Dropout: a mask per replica.
             y_pred = keras_compat.call(model, x, training=True)
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
@@ -70,7 +69,7 @@ def shares(batches):
     a third, where 1/2 weighed each of its examples twice as much as the others)."""
     if len(batches) == 1 or not crossing.sizes_vary(batches):
         return [1.0 / len(batches)] * len(batches)
-    counts = [crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
+    counts = crossing.examples_in(batches)
     total = tf.add_n(counts)
     return [tf.math.divide_no_nan(count, total) for count in counts]
 
@@ -114,9 +113,7 @@ def replica_share(model, batches, replicas, by_shapes=True):
     mixed = scalar_losses.mixes_sums(keras_compat.compiled(model)[0])
     if replicas == 1 or not mixed or (by_shapes and not crossing.sizes_vary(batches)):
         return None
-    count = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches])
-    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
-    return tf.math.divide_no_nan(count * replicas, total)
+    return crossing.share_of(tf.add_n(crossing.examples_in(batches)), replicas)
 
 
 def logged_once(model, unmasked, replicas):

@@ -83,6 +83,17 @@ def _first(x):
     return next(t for t in tf.nest.flatten(x) if t is not None)
 
 
+def examples_in(batches):
+    """The examples of each of `batches` (float32; see `examples`)."""
+    return [examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
+
+
+def share_of(count, replicas):
+    """This replica's `count` x replicas / the sum of every replica's (1.0 where they are equal). In replica context."""
+    total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
+    return tf.math.divide_no_nan(count * replicas, total)
+
+
 def sizes_vary(batches):
     """Whether `batches`' sizes are not all static: they can differ (the last of an epoch, or a replica's share)."""
     return any(_first(keras.utils.unpack_x_y_sample_weight(batch)[0]).shape[0] is None for batch in batches)
@@ -103,9 +114,6 @@ def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, repl
         return dense_flat, state_flat, sparse, loss
     weight = share
     if weight is None:
-        inputs = [keras.utils.unpack_x_y_sample_weight(batch)[0] for batch in batches]
-        count = unmasked if unmasked is not None else tf.add_n([examples(x) for x in inputs])
-        total = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, count)
-        weight = tf.math.divide_no_nan(count * replicas, total)
+        weight = share_of(unmasked if unmasked is not None else tf.add_n(examples_in(batches)), replicas)
     sparse = [gradients.scale(g, weight) for g in sparse]
     return dense_flat * weight, state_flat, sparse, loss * tf.cast(weight, loss.dtype)  # (float8 state: a maximum.)

@@ -228,7 +228,7 @@ class Steps:
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
         grads, losses, preds, unmasked = accumulate.replica_gradients(self, batches, replica_share)
-        examples = [crossing.examples(keras.utils.unpack_x_y_sample_weight(batch)[0]) for batch in batches]
+        examples = crossing.examples_in(batches)
         each = examples[0] if len(batches) == 1 else tf.add_n(examples) / len(batches)  # The losses: as their mean's.
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
@@ -291,7 +291,7 @@ class Steps:
             share = accumulate.replica_share(self.model, batches, self.strategy.num_replicas_in_sync)
             replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches, share)
             if accumulate.logged_once(self.model, computed[-1], replicas):  # As the global batch's.
-                examples = tf.add_n([crossing.examples(keras.utils.unpack_x_y_sample_weight(b)[0]) for b in batches])
+                examples = tf.add_n(crossing.examples_in(batches))
                 tracked = accumulate.as_global(computed[-2], examples, computed[-1], replicas)
                 self._track_loss(*tracked, skip_non_finite=True)
             *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, accumulate.summed(self.model), share)
