@@ -156,6 +156,32 @@ def test_batches_past_the_last_whole_update_are_said(caplog):
     assert said and "holds 9 batches" in said[0] and "makes 4 updates and leaves out its last 1 batch" in said[0]
 
 
+@pytest.mark.parametrize("form, examples", [("filtered", 36), ("filtered", 32), ("generator", 36), ("stream", 36)])
+def test_batches_read_past_the_last_whole_update_of_an_input_that_runs_out_are_said(mirrored, caplog, form, examples):
+    """An input of unknown length (a filter; a generator, on 2 replicas) that runs out one batch past its last
+    whole update, two batches to an update: the update that reads that batch fails, so it is left out, and a
+    warning (once) says so. "stream": a generator at steps_per_epoch=4 runs out at the third epoch's first read.
+    With 32 examples the input ends on a whole update: no warning."""
+    x = np.random.default_rng(0).random((examples, 8), dtype=np.float32)
+    strategy = tf.distribute.get_strategy() if form == "filtered" else mirrored
+    model = _regression(strategy, "sum_over_batch_size")
+    if form == "filtered":
+        data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(4).filter(lambda *_: True)
+    else:
+        data = ((x[i : i + 4], x[i : i + 4, :1]) for i in range(0, examples, 4))
+    stream = form == "stream"
+    with caplog.at_level("WARNING"):
+        tfmp.fit(model, data, epochs=3 if stream else 2, steps_per_epoch=4 if stream else None, grad_accum_steps=2)
+    said = [r.getMessage() for r in caplog.records if "past its last whole update" in r.getMessage()]
+    assert model.optimizer.iterations.numpy() == (4 if stream else 8 if form == "filtered" else 4)
+    if examples == 32:
+        assert not said
+        return
+    assert len(said) == 1 and f"ran out at epoch {3 if stream else 1} with 1 batch(es)" in said[0]
+    assert ("every epoch" in said[0]) == (form == "filtered")
+    assert ("repeat it" in said[0]) == (form == "filtered")
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_sum_and_mean_losses_split_unevenly_train_as_on_one_device(mirrored, jit_compile):
     """Two outputs, one loss reduced by "sum", one a mean; 35 examples in batches of 8 on 2 replicas, the last

@@ -34,6 +34,8 @@ class Input:
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
         self._given = self.data  # A PyDataset's dataset (tfmp.pydata), before any map of ours.
+        self._reads = None  # [batches read since the iterator began], where a read may end an update halfway.
+        self._grad_accum_steps = grad_accum_steps
         self.period = steps  # Batches an epoch takes from the stream.
         steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
         if self.fn is not None:
@@ -55,8 +57,14 @@ class Input:
         else:
             if class_weight is not None:
                 data = self.data = data.map(class_weights(class_weight, data.element_spec))
-            self.element_spec = data.element_spec
             cardinality = int(data.cardinality())
+            if training and grad_accum_steps > 1 and cardinality == tf.data.UNKNOWN_CARDINALITY:
+                # Its end may come within an update; the batches read then make none. One worker only (several
+                # may each read all and keep a share), and not where a TPU's host may run no Python.
+                if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
+                    self._reads = [0]
+                    data = self.data = data.map(_counted(self._reads, data.element_spec))
+            self.element_spec = data.element_spec
             if cardinality == 0:
                 raise UsageError(f"{name} is empty")
             if cardinality == tf.data.INFINITE_CARDINALITY and not steps:
@@ -146,15 +154,58 @@ class Input:
 
     def stream(self, position):
         """An iterator over the repeated input, `position` batches in."""
+        if self._reads:
+            self._reads[0] = 0
         return iter(self._distribute(position, repeat=True))
 
     def epoch(self, offset):
         """An iterator over one pass of the input, `offset` batches in."""
+        if self._reads:
+            self._reads[0] = 0
         return iter(self._distribute(offset, repeat=False))
+
+    def say_left_out(self, epoch, position):
+        """After the input ran out at `position` batches into its iterator (an epoch of unknown length, or a
+        generator's stream within an epoch): warns, once a run, of the batches read past the last whole
+        update, which made none (`grad_accum_steps`); as `tfmp.fit` leaves out an epoch's batches past its last
+        whole update where the length is known."""
+        left = self._reads[0] - position if self._reads else 0
+        if left > 0:
+            self._reads = None  # Said once; the count goes on unread.
+            n, generator = self._grad_accum_steps, self.generator
+            logging.warning(
+                "%s ran out at epoch %d with %d batch(es) past its last whole update (grad_accum_steps=%d makes an "
+                "update of every %d): read and left out, not trained on%s. Give %s a number of batches that %d "
+                "divides%s",
+                self.name,
+                epoch + 1,
+                left,
+                n,
+                n,
+                "" if generator or self.streamed else " (and so in every epoch of this length)",
+                self.name,
+                n,
+                "" if generator else ", or repeat it and give steps_per_epoch",
+            )
 
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+def _counted(reads, spec):
+    """The `Dataset.map` function that counts each element read in `reads[0]` and passes it on."""
+
+    def bump():
+        reads[0] += 1
+        return np.int64(reads[0])
+
+    def count(*element):
+        with tf.control_dependencies([tf.numpy_function(bump, [], tf.int64, stateful=True)]):
+            element = tf.nest.map_structure(tf.identity, element)
+        return element if type(spec) is tuple else element[0]  # (Dataset.map unpacks plain tuples only.)
+
+    return count
 
 
 def needs_targets(model):

@@ -131,6 +131,8 @@ class Run:
                 if starved:
                     raise TrainingError(f"after epoch {epoch + 1}: {starved}; training stopped")
                 self._check_weights(epoch)
+                if not model.stop_training and not (source.streamed and done >= source.steps):  # It ran out.
+                    source.say_left_out(epoch, epoch * source.period + done if source.streamed else done)
                 if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
                     advice = runs_once("steps_per_epoch", source.generator or not source.streamed)
