@@ -26,6 +26,14 @@ def test_replica_local_updates_count_on_each_replicas_copy_and_put_the_aggregati
     assert [int(c) for c in mirrored.experimental_local_results(optimizer.iterations.value)] == [1, 1]
 
 
+def test_a_host_variable_made_in_a_strategys_scope_is_plain_and_a_dataset_updates_it(mirrored):
+    with mirrored.scope():
+        reads = tf_compat.host_variable(tf.constant(0, tf.int64))
+    assert type(reads).__name__ == "ResourceVariable" and "CPU:0" in reads.device
+    count = tf.data.Dataset.range(5).map(lambda i: reads.assign_add(1))
+    assert list(count.as_numpy_iterator()) == [1, 2, 3, 4, 5] and reads.numpy() == 5
+
+
 def test_op_determinism_reads_tensorflows_switch():
     assert tf_compat.op_determinism() is False
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.

@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import distribute, keras_compat, pydata
+from tfmp import distribute, keras_compat, pydata, tf_compat
 from tfmp.errors import UsageError, first_line, is_count
 
 
@@ -34,7 +34,7 @@ class Input:
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
         self._given = self.data  # A PyDataset's dataset (tfmp.pydata), before any map of ours.
-        self._reads = None  # [batches read since the iterator began], where a read may end an update halfway.
+        self._reads = None  # Batches read since the iterator began (a variable), where a read may end an update.
         self._grad_accum_steps = grad_accum_steps
         self.period = steps  # Batches an epoch takes from the stream.
         steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
@@ -60,9 +60,9 @@ class Input:
             cardinality = int(data.cardinality())
             if training and grad_accum_steps > 1 and cardinality == tf.data.UNKNOWN_CARDINALITY:
                 # Its end may come within an update; the batches read then make none. One worker only (several
-                # may each read all and keep a share), and not where a TPU's host may run no Python.
+                # may each read all and keep a share), and not on a TPU, whose input may run on another host.
                 if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
-                    self._reads = [0]
+                    self._reads = tf_compat.host_variable(tf.constant(0, tf.int64))
                     data = self.data = data.map(_counted(self._reads, data.element_spec))
             self.element_spec = data.element_spec
             if cardinality == 0:
@@ -154,14 +154,14 @@ class Input:
 
     def stream(self, position):
         """An iterator over the repeated input, `position` batches in."""
-        if self._reads:
-            self._reads[0] = 0
+        if self._reads is not None:
+            self._reads.assign(0)
         return iter(self._distribute(position, repeat=True))
 
     def epoch(self, offset):
         """An iterator over one pass of the input, `offset` batches in."""
-        if self._reads:
-            self._reads[0] = 0
+        if self._reads is not None:
+            self._reads.assign(0)
         return iter(self._distribute(offset, repeat=False))
 
     def say_left_out(self, epoch, position):
@@ -169,7 +169,7 @@ class Input:
         generator's stream within an epoch): warns, once a run, of the batches read past the last whole
         update, which made none (`grad_accum_steps`); as `tfmp.fit` leaves out an epoch's batches past its last
         whole update where the length is known."""
-        left = self._reads[0] - position if self._reads else 0
+        left = 0 if self._reads is None else int(self._reads.numpy()) - position
         if left > 0:
             self._reads = None  # Said once; the count goes on unread.
             n, generator = self._grad_accum_steps, self.generator
@@ -194,14 +194,10 @@ class Input:
 
 
 def _counted(reads, spec):
-    """The `Dataset.map` function that counts each element read in `reads[0]` and passes it on."""
-
-    def bump():
-        reads[0] += 1
-        return np.int64(reads[0])
+    """The `Dataset.map` function that adds one to `reads` (a variable) for each element read and passes it on."""
 
     def count(*element):
-        with tf.control_dependencies([tf.numpy_function(bump, [], tf.int64, stateful=True)]):
+        with tf.control_dependencies([reads.assign_add(1)]):
             element = tf.nest.map_structure(tf.identity, element)
         return element if type(spec) is tuple else element[0]  # (Dataset.map unpacks plain tuples only.)
 

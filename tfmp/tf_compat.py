@@ -5,8 +5,9 @@ TensorFlow keeps private a strategy's worker count, whether op determinism is on
 MirroredStrategy's collective keys (tfmp gives each strategy its own), a variable's
 aggregation and the no-merge-call switch (set aside while tfmp's loss-scale cond counts an
 update where no merge call may run), the collective broadcast of a new variable's initial
-value (which takes no bfloat16), the FLOP profiler the bench uses, and how tf.function
-counts a function's traces. The uses of Keras' internals are in tfmp.keras_compat.
+value (which takes no bfloat16), the FLOP profiler the bench uses, how tf.function
+counts a function's traces, and a variable made past any strategy's scope. The uses of
+Keras' internals are in tfmp.keras_compat.
 """
 
 import contextlib
@@ -134,6 +135,16 @@ def broadcast_bfloat16_initial_values():
 
     initial_value.tfmp_bfloat16 = True
     extended._get_variable_creator_initial_value = initial_value  # noqa: SLF001
+
+
+def host_variable(value):
+    """A plain variable of `value` on this host's CPU, even inside a strategy's scope (where `tf.Variable` makes
+    a distributed one, which a `tf.data` function cannot update): TensorFlow's variable class, called directly,
+    skips the scope's variable creators."""
+    from tensorflow.python.ops import resource_variable_ops  # noqa: PLC0415 - private, here only.
+
+    with tf.device("/cpu:0"):
+        return resource_variable_ops.ResourceVariable(value, trainable=False)
 
 
 def op_determinism():
