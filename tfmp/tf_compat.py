@@ -138,9 +138,9 @@ def broadcast_bfloat16_initial_values():
 
 
 def host_variable(value):
-    """A plain variable of `value` on this host's CPU, even inside a strategy's scope (where `tf.Variable` makes
-    a distributed one, which a `tf.data` function cannot update): TensorFlow's variable class, called directly,
-    skips the scope's variable creators."""
+    """A plain variable of `value` in this host's memory, even inside a strategy's scope, where `tf.Variable` makes
+    a distributed one with a copy on each of its devices (GPUs), which a `tf.data` function on the host would
+    update across devices: TensorFlow's variable class, called directly, skips the scope's variable creators."""
     from tensorflow.python.ops import resource_variable_ops  # noqa: PLC0415 - private, here only.
 
     with tf.device("/cpu:0"):
