@@ -127,6 +127,8 @@ class Input:
         return pydata.runs_once(self._given)
 
     def _distribute(self, skip, repeat):
+        if self._reads is not None:  # A new iterator: its reads count from 0, the skipped ones included.
+            self._reads.assign(0)
         if self.fn is not None:
             # A callable that takes `skip` (global batches) skips by itself, cheaply (before
             # decoding); it then returns the whole remaining stream. Others get Dataset.skip.
@@ -152,21 +154,22 @@ class Input:
         of the stream make whole, waiting up to `timeout` seconds (`tfmp.pydata`)."""
         return self.period is None or pydata.end_hooks_ran(self._given, epochs * self.period, timeout)
 
+    def position(self, epoch, done):
+        """Batches drawn from the input's iterator when `done` of `epoch`'s are: the stream's since it began (all
+        the epochs before), or the epoch's own where each epoch reads the input afresh."""
+        return epoch * self.period + done if self.streamed else done
+
     def stream(self, position):
         """An iterator over the repeated input, `position` batches in."""
-        if self._reads is not None:
-            self._reads.assign(0)
         return iter(self._distribute(position, repeat=True))
 
     def epoch(self, offset):
         """An iterator over one pass of the input, `offset` batches in."""
-        if self._reads is not None:
-            self._reads.assign(0)
         return iter(self._distribute(offset, repeat=False))
 
     def say_left_out(self, epoch, position):
-        """After the input ran out at `position` batches into its iterator (an epoch of unknown length, or a
-        generator's stream within an epoch): warns, once a run, of the batches read past the last whole
+        """After the input ran out `position` batches into its iterator (see `position`; an epoch of unknown length,
+        or a generator's stream within an epoch): warns, once a run, of the batches read past the last whole
         update, which made none (`grad_accum_steps`); as `tfmp.fit` leaves out an epoch's batches past its last
         whole update where the length is known."""
         left = 0 if self._reads is None else int(self._reads.numpy()) - position

@@ -115,7 +115,7 @@ class Run:
         offset = position - epoch * source.period if source.streamed else position
         self.step = step
         self.monitor = self._monitor(step)
-        iterator = source.stream(epoch * source.period + offset) if source.streamed else None
+        iterator = source.stream(source.position(epoch, offset)) if source.streamed else None
         stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
         epoch_logs = {}
         with guards.signals_set(stop, self.saver is not None and handler is None):
@@ -131,14 +131,15 @@ class Run:
                 if starved:
                     raise TrainingError(f"after epoch {epoch + 1}: {starved}; training stopped")
                 self._check_weights(epoch)
-                if not model.stop_training and not (source.streamed and done >= source.steps):  # It ran out.
-                    source.say_left_out(epoch, epoch * source.period + done if source.streamed else done)
-                if done == 0 and not model.stop_training:  # Not one batch: the data ran out (a generator). A run
+                ended = not model.stop_training and not (source.streamed and done >= source.steps)  # It ran out.
+                if ended:
+                    source.say_left_out(epoch, source.position(epoch, done))
+                if done == 0 and ended:  # Not one batch: the data ran out (a generator). A run
                     # resumed at its epoch's end (SIGTERM at the last batch) has done == offset > 0: the next epoch.
                     advice = runs_once("steps_per_epoch", source.generator or not source.streamed)
                     logging.warning("data ran out: epoch %d got no batch; training stops (%s)", epoch + 1, advice)
                     break
-                ran_out = source.streamed and done < source.steps and not model.stop_training
+                ran_out = source.streamed and ended
                 if ran_out:  # A stream that ends (a generator's) ended within the epoch: it ends there, as in Keras.
                     logging.warning(
                         "data ran out: epoch %d got %d of its %d batches; training stops after it%s (%s)",
@@ -290,7 +291,7 @@ class Run:
                 self._fell_back()
             batches = updates * n
             done, self.step = done + batches, self.step + batches
-            position = epoch * self.input.period + done if self.input.streamed else done
+            position = self.input.position(epoch, done)
             queued = _Update(packed, done, self.step, position, batches, updates)
             if pending is not None:  # The update before, done or nearly: read while this one runs.
                 logs = self._finish(pending)
