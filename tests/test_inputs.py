@@ -85,6 +85,13 @@ def test_build_for_checks_the_structure_against_the_model():
     no_targets = tf.data.Dataset.from_tensor_slices(np.ones((4, 3), "float32")).batch(2)
     with pytest.raises(UsageError, match="the data gives no targets"):
         inputs.build_for(model, ONE(), no_targets.element_spec)
+    # Batched data of one axis too few (arrays of shape (4,)): no hint to batch what is batched already.
+    flat = tf.data.Dataset.from_tensor_slices((np.ones(4, "float32"), np.ones((4, 1), "float32"))).batch(2)
+    with pytest.raises(UsageError, match=r"gives \(None,\)$"):
+        inputs.build_for(model, ONE(), flat.element_spec)
+    words = tf.data.Dataset.from_tensor_slices((np.array(["a b"] * 4), np.ones((4, 1), "float32"))).batch(2)
+    with pytest.raises(UsageError, match="takes float32 but the data gives string"):  # Keras: "Invalid dtype: str32".
+        inputs.build_for(model, ONE(), words.element_spec)
 
 
 def test_features_the_model_does_not_take_are_left_unread_as_model_fit_leaves_them(caplog):

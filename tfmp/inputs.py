@@ -269,9 +269,14 @@ def build_for(model, strategy, element_spec):
             )
         else:
             for spec, layer_input in zip(given, inputs, strict=True):
+                if (spec.dtype == tf.string) != (keras.backend.standardize_dtype(layer_input.dtype) == "string"):
+                    raise UsageError(
+                        f"input {layer_input.name!r} takes {layer_input.dtype} but the data gives {spec.dtype.name}"
+                    )
                 example = tf.TensorShape(layer_input.shape[1:])
                 if not tf.TensorShape(spec.shape[1:]).is_compatible_with(example):
-                    unbatched = spec.shape.rank is not None and spec.shape.is_compatible_with(example)
+                    # A batch's first axis is unknown or the batch size; an unbatched dataset's, an example's.
+                    unbatched = spec.shape.rank and spec.shape[0] is not None and spec.shape.is_compatible_with(example)
                     raise UsageError(
                         f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
                         f"{tuple(spec.shape)}"
