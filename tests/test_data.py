@@ -1,4 +1,5 @@
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -107,6 +108,43 @@ def test_missing_dataset_is_one_line(tmp_path):
         data.load_source("no_such_set", str(tmp_path))
     with pytest.raises(UsageError, match="not a prepared TFDS dataset directory"):
         data.load_source(str(tmp_path))
+
+
+def test_a_download_without_network_is_tried_once(tmp_path, monkeypatch):
+    """Offline, TFDS retried a download 10 times with backoff: 3 min 24 s before train.py said it could not
+    download. Where the resolver knows no download host, it is tried once; a proxy may resolve what this machine
+    cannot, and a builder that needs no network (mock data) prepares as before."""
+    from tensorflow_datasets.core.download import downloader
+
+    from tfmp.data import sources
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    retries = []
+
+    def download(*args, **kwargs):
+        retries.append(downloader.MAX_RETRIES)
+        raise ConnectionError("offline")
+
+    original = tfds.core.DatasetBuilder.download_and_prepare
+    monkeypatch.setattr(sources.socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", download)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(UsageError, match=r"could not be downloaded \(ConnectionError; no network: storage.googleapis"):
+        data.load_source("mnist", str(tmp_path), download=True)
+    monkeypatch.setattr(sources.socket, "getaddrinfo", lambda *args, **kwargs: [])  # Online.
+    with pytest.raises(UsageError, match=r"could not be downloaded \(ConnectionError\);"):
+        data.load_source("mnist", str(tmp_path), download=True)
+    assert retries == [0, 10] and downloader.MAX_RETRIES == 10  # Put back after the one try.
+    monkeypatch.setattr(sources.socket, "getaddrinfo", no_dns)
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # (Not a builder's: TF's GCS reads would retry it.)
+    assert sources._offline() is None  # noqa: SLF001 - a proxy may resolve what this machine cannot.
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", original)
+    with tfds.testing.mock_data(num_examples=8):  # Prepares without the network.
+        assert data.load_source("mnist", str(tmp_path), download=True)[0].num_classes == 10
 
 
 def test_each_input_pipeline_reads_its_own_shard():

@@ -4,11 +4,13 @@ Every source gives unbatched `tf.data.Dataset`s of `{feature: value, "label": in
 dicts, plus a `Source` describing them, so one pipeline serves all of them.
 """
 
+import contextlib
 import dataclasses
 import glob
 import gzip
 import os
 import pathlib
+import socket
 
 import numpy as np
 import tensorflow as tf
@@ -131,16 +133,52 @@ def _tfds_builder(name, data_dir, download):
                 "fetch it, or prepare it on a machine with internet and pass that directory "
                 "as --data_dir"
             )
-        try:
-            builder.download_and_prepare()
-        except Exception as e:  # noqa: BLE001 - offline machines fail in many ways.
-            raise UsageError(
-                f"dataset {name!r} is not prepared in {builder.data_dir} and could not be "
-                f"downloaded ({type(e).__name__}); prepare it on a machine with internet "
-                "(python -c \"import tensorflow_datasets as tfds; tfds.load('"
-                f"{name}')\") and pass that directory as --data_dir"
-            ) from e
+        with _tried_once_offline() as offline:
+            try:
+                builder.download_and_prepare()
+            except Exception as e:  # noqa: BLE001 - offline machines fail in many ways.
+                why = type(e).__name__ + (f"; {offline}" if offline else "")
+                raise UsageError(
+                    f"dataset {name!r} is not prepared in {builder.data_dir} and could not be "
+                    f"downloaded ({why}); prepare it on a machine with internet "
+                    "(python -c \"import tensorflow_datasets as tfds; tfds.load('"
+                    f"{name}')\") and pass that directory as --data_dir"
+                ) from e
     return builder
+
+
+# Where TFDS downloads prepared datasets from first.
+DOWNLOAD_HOST = "storage.googleapis.com"
+
+
+def _offline():
+    """Why this machine cannot download (its resolver knows no `DOWNLOAD_HOST`), or None. A proxy named in the
+    environment may resolve names the machine cannot: then None."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    try:
+        socket.getaddrinfo(DOWNLOAD_HOST, 443)
+    except OSError:
+        return f"no network: {DOWNLOAD_HOST} does not resolve"
+    return None
+
+
+@contextlib.contextmanager
+def _tried_once_offline():
+    """Yields `_offline()`; where it is not None, TFDS's downloads are tried once. TFDS retries each 10 times with
+    backoff, 3 min 24 s before the download of a dataset fails offline (0.3 s tried once); a builder that needs no
+    network (files in its manual_dir, mock data) prepares as before."""
+    from tensorflow_datasets.core.download import downloader  # noqa: PLC0415 - TFDS is imported only where used.
+
+    offline = _offline()
+    if offline is None or not isinstance(getattr(downloader, "MAX_RETRIES", None), int):
+        yield offline
+        return
+    saved, downloader.MAX_RETRIES = downloader.MAX_RETRIES, 0
+    try:
+        yield offline
+    finally:
+        downloader.MAX_RETRIES = saved
 
 
 # Record files up to this size are read through once before training: a truncated or
