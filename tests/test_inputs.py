@@ -94,6 +94,34 @@ def test_build_for_checks_the_structure_against_the_model():
         inputs.build_for(model, ONE(), words.element_spec)
 
 
+def test_build_for_takes_what_a_keras_model_takes_and_checks_dict_inputs_too():
+    """A Keras model adds or drops a last axis of 1 to make its input's rank (1-D values for `Input((1,))`, a
+    pandas column say): model.fit trains on them, and tfmp refused them. Dict inputs get the same checks as a
+    tuple's, where a string reached the step as "Cast string to float is not supported"."""
+
+    def model(shape):
+        inputs = keras.Input(shape, name="a")
+        built = keras.Model({"a": inputs}, keras.layers.Dense(1)(keras.layers.Flatten()(inputs)))
+        built.compile("sgd", "mse")
+        return built
+
+    def spec(x, named=False):
+        x = {"a": x} if named else x
+        return tf.data.Dataset.from_tensor_slices((x, np.ones((4, 1), "float32"))).batch(2).element_spec
+
+    for shape, x in (((1,), np.ones(4, "float32")), ((3,), np.ones((4, 3, 1), "float32"))):
+        for named in (False, True):
+            inputs.build_for(model(shape), ONE(), spec(x, named))
+    import tfmp
+
+    history = tfmp.fit(model((1,)), np.arange(8, dtype="float32"), np.ones((8, 1), "float32"), batch_size=4, verbose=0)
+    assert np.isfinite(history.history["loss"][0])  # Trains, as under model.fit.
+    with pytest.raises(UsageError, match=r"input 'a' takes shape \(None, 3\) but the data gives \(None,\)$"):
+        inputs.build_for(model((3,)), ONE(), spec(np.ones(4, "float32"), named=True))
+    with pytest.raises(UsageError, match="input 'a' takes float32 but the data gives string"):
+        inputs.build_for(model((3,)), ONE(), spec(np.array([["x"] * 3] * 4), named=True))
+
+
 def test_features_the_model_does_not_take_are_left_unread_as_model_fit_leaves_them(caplog):
     """A dataset with a feature no input takes (an id, a column for another model) trains as under model.fit,
     with a warning naming it; a feature missing is refused. Before, the extra one was refused too."""

@@ -248,6 +248,29 @@ def class_weights(class_weight, element_spec):
     return weigh
 
 
+def _check_input(spec, layer_input):
+    """Refuses data (`spec`, a batch's) of a dtype or shape that the model's input `layer_input` cannot take, as
+    Keras' own call would, before anything is traced."""
+    if not isinstance(spec, tf.TypeSpec) or not hasattr(spec, "shape"):
+        return  # Nested further than the model's inputs: Keras' own build checks it.
+    if (spec.dtype == tf.string) != (keras.backend.standardize_dtype(layer_input.dtype) == "string"):
+        raise UsageError(f"input {layer_input.name!r} takes {layer_input.dtype} but the data gives {spec.dtype.name}")
+    example, shape = tf.TensorShape(layer_input.shape[1:]), spec.shape
+    # As a Keras model's call adjusts it: a last axis of 1 added or dropped where that makes the input's rank.
+    if shape.rank == example.rank + 2 and shape[-1] == 1:
+        shape = shape[:-1]
+    elif shape.rank == example.rank and example.rank and example[-1] == 1:
+        shape = shape.concatenate([1])
+    if not tf.TensorShape(shape[1:]).is_compatible_with(example):
+        # A batch's first axis is unknown or the batch size; an unbatched dataset's, an example's.
+        unbatched = spec.shape.rank and spec.shape[0] is not None and spec.shape.is_compatible_with(example)
+        raise UsageError(
+            f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
+            f"{tuple(spec.shape)}"
+            + ("; its elements are single examples: batch the dataset (`.batch(N)`)" if unbatched else "")
+        )
+
+
 def build_for(model, strategy, element_spec):
     """Checks the data's structure against the model and builds the model, its compiled
     losses and metrics (their variables must exist before the step is traced)."""
@@ -262,26 +285,14 @@ def build_for(model, strategy, element_spec):
             unread = sorted(set(x) - set(names))
             if unread:  # As model.fit reads them: not at all.
                 logging.warning("the data's %s are none of the model's inputs %s: left unread", unread, names)
+            given = [x[i.name] for i in inputs]
         elif len(given) != len(inputs):
             raise UsageError(
                 f"the model takes {len(inputs)} input(s) ({', '.join(i.name for i in inputs)}) but the data's "
                 f"elements hold {len(given)}: give (x, y) or (x, y, sample_weight) with x matching the inputs"
             )
-        else:
-            for spec, layer_input in zip(given, inputs, strict=True):
-                if (spec.dtype == tf.string) != (keras.backend.standardize_dtype(layer_input.dtype) == "string"):
-                    raise UsageError(
-                        f"input {layer_input.name!r} takes {layer_input.dtype} but the data gives {spec.dtype.name}"
-                    )
-                example = tf.TensorShape(layer_input.shape[1:])
-                if not tf.TensorShape(spec.shape[1:]).is_compatible_with(example):
-                    # A batch's first axis is unknown or the batch size; an unbatched dataset's, an example's.
-                    unbatched = spec.shape.rank and spec.shape[0] is not None and spec.shape.is_compatible_with(example)
-                    raise UsageError(
-                        f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
-                        f"{tuple(spec.shape)}"
-                        + ("; its elements are single examples: batch the dataset (`.batch(N)`)" if unbatched else "")
-                    )
+        for spec, layer_input in zip(given, inputs, strict=True):
+            _check_input(spec, layer_input)
     if y is None and needs_targets(model):
         raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
     with strategy.scope():
