@@ -110,9 +110,9 @@ class Run:
         self._begin(epochs, step)
         restored = keras_compat.backup_epoch(model)
         if restored:  # A keras.callbacks.BackupAndRestore loaded its weights: on from its epoch, as Keras fit goes.
-            epoch, position = restored, restored * (source.period or 0)
+            epoch, position = restored, source.position(restored, 0)
         first = epoch
-        offset = position - epoch * source.period if source.streamed else position
+        offset = position - source.position(epoch, 0)  # Batches into this epoch.
         self.step = step
         self.monitor = self._monitor(step)
         iterator = source.stream(source.position(epoch, offset)) if source.streamed else None
@@ -234,7 +234,7 @@ class Run:
             # rate), their state, and whether one ended the run.
             self.saver.callbacks.stopped = epoch if self.model.stop_training else None
             source = self.input
-            self._save(epoch + 1, (epoch + 1) * source.period if source.streamed else 0)
+            self._save(epoch + 1, source.position(epoch + 1, 0))
 
     def _end(self, epochs, trained_to_the_end, logs):
         """As Keras fit ends: the EMA weights, a PyDataset's last end hook, the callbacks' on_train_end."""
