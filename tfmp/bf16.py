@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import keras_compat
+from tfmp import adafactor, keras_compat
 from tfmp.errors import UsageError
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
@@ -260,7 +260,7 @@ def update_step(optimizer, rounding, seed, fallback):
         seed: an integer, for stochastic rounding.
         fallback: the update for float32 variables (Keras' own, or tfmp.fused's).
     """
-    method = type(optimizer).update_step
+    method = adafactor.update_step if adafactor.is_keras(optimizer) else type(optimizer).update_step
 
     def step(gradient, variable, learning_rate):
         if not is_bfloat16(variable):

@@ -100,7 +100,7 @@ def hidden_non_finite_message(epoch, model):
     return (
         f"after epoch {epoch + 1}: non-finite weight {first_non_finite(model.weights)} although the loss stayed "
         "finite: NaN or inf reached the weights through their gradients (data holding NaN or inf, say, that a ReLU "
-        "or a max hid from the loss); training stopped"
+        "or a max hid from the loss) or the optimizer's own arithmetic; training stopped"
     )
 
 

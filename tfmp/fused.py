@@ -13,14 +13,16 @@ model.fit's. An embedding's sparse gradient is made dense first, as Keras' own u
 does, except for SGD without momentum, whose update touches only the rows looked up.
 Anything else keeps Keras' own update: other optimizers, subclasses that change the
 update, amsgrad, variables that are not float32. The optimizer's variables, checkpoints and results are
-unchanged.
+unchanged. Adafactor's update is Keras' own with one repair (`tfmp.adafactor`), whether fused or not.
 """
+
+import functools
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import keras_compat
+from tfmp import adafactor, keras_compat
 
 
 def _float(value):
@@ -88,14 +90,20 @@ def keras_densifies(optimizer):
     return any(update is getattr(keras.optimizers, name).update_step for name in _DENSE_UPDATES)
 
 
-def update_step(optimizer, exact=True):
-    """A fused replacement for `optimizer.update_step(gradient, variable, learning_rate)`,
-    falling back to Keras' own for what it does not cover; None for other optimizers.
+def update_step(optimizer, exact=True, fuse=True):
+    """A replacement for `optimizer.update_step(gradient, variable, learning_rate)`: a fused
+    one (with `fuse`), falling back to Keras' own for what it does not cover; Keras'
+    Adafactor update without its 0 / 0 (`tfmp.adafactor`), fused or not; None for other
+    optimizers.
 
     With `exact`, only where the kernel gives Keras' own bits: SGD (with or without
     momentum) always, Adam and AdamW only for betas whose `1 - beta` the kernel rounds
     as Keras does (not the defaults). `exact=False` fuses Adam anyway (the benchmark's
     update timing)."""
+    if adafactor.is_keras(optimizer):
+        return functools.partial(adafactor.update_step, optimizer)
+    if not fuse:
+        return None
     kind = type(optimizer)
     adam = kind.update_step is keras.optimizers.Adam.update_step and not optimizer.amsgrad
     if adam and (not exact or (_same_as_keras(optimizer.beta_1) and _same_as_keras(optimizer.beta_2))):

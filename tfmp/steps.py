@@ -94,7 +94,7 @@ class Steps:
         self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
         hooks = {}  # Per optimizer (a MultiOptimizer's each): (its update_step, its weight decay filter).
         for sub, variables in keras_compat.optimizer_groups(inner, self.variables):
-            update_step = fused.update_step(sub) if fused_updates else None  # Made once, not per call.
+            update_step = fused.update_step(sub, fuse=fused_updates)  # Made once, not per call.
             hooks[id(sub)] = bf16.applier_hooks(sub, variables, strategy, bf16_rounding, seed, update_step)
         # What applies the all-reduced gradients: tfmp's copy of the optimizer, sharing its variables (keras_compat).
         self._applier = keras_compat.reduced_applier(self.optimizer, hooks, "gradients_reduced")
