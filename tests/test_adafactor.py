@@ -26,7 +26,10 @@ def _variables(shapes, rng):
     return [tf.Variable(rng.normal(size=shape).astype(np.float32)) for shape in shapes]
 
 
-@pytest.mark.parametrize("options", [{}, {"learning_rate": 0.05, "relative_step": False}])
+SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)  # Called: no relative step (Keras).
+
+
+@pytest.mark.parametrize("options", [{}, {"learning_rate": 0.05, "relative_step": False}, {"learning_rate": SCHEDULE}])
 def test_keras_bits_wherever_keras_update_is_finite(options):
     rng = np.random.default_rng(0)
     shapes = [(6, 4), (2, 3, 5), (4,)]

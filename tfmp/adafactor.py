@@ -18,10 +18,16 @@ import keras
 import tensorflow as tf
 from keras import ops
 
+from tfmp import keras_compat
+
 
 def is_keras(optimizer):
     """Whether `optimizer` updates with Keras' own Adafactor update (not a subclass's)."""
     return type(optimizer).update_step is keras.optimizers.Adafactor.update_step
+
+
+def _rms(x):
+    return ops.sqrt(ops.mean(ops.square(x)))  # Keras' `Adafactor._rms`.
 
 
 def update_step(optimizer, gradient, variable, learning_rate):
@@ -35,13 +41,13 @@ def update_step(optimizer, gradient, variable, learning_rate):
     epsilon_2 = ops.cast(optimizer.epsilon_2, variable.dtype)
     one = ops.cast(1.0, variable.dtype)
     local_step = ops.cast(optimizer.iterations + 1, variable.dtype)
-    if not callable(optimizer._learning_rate) and optimizer.relative_step:  # noqa: SLF001
+    if not keras_compat.scheduled(optimizer) and optimizer.relative_step:
         lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
-    index = optimizer._get_variable_index(variable)  # noqa: SLF001
-    r, c, v = optimizer._r[index], optimizer._c[index], optimizer._v[index]  # noqa: SLF001
+    slots = keras_compat.slots_of(optimizer, keras_compat.variable_index(optimizer, variable))
+    r, c, v = slots["_r"], slots["_c"], slots["_v"]
 
     rho_t = ops.minimum(lr, 1 / ops.sqrt(local_step))
-    alpha_t = ops.maximum(epsilon_2, optimizer._rms(variable)) * rho_t  # noqa: SLF001
+    alpha_t = ops.maximum(epsilon_2, _rms(variable)) * rho_t
     regulated_grad_square = ops.add(ops.square(gradient), optimizer.epsilon_1)
     beta_2_t = ops.subtract(1, ops.power(local_step, optimizer.beta_2_decay))
 
@@ -63,5 +69,5 @@ def update_step(optimizer, gradient, variable, learning_rate):
         )
         u_t = ops.divide(gradient, ops.sqrt(v))
 
-    u_t_hat = ops.divide(u_t, ops.maximum(one, ops.divide(optimizer._rms(u_t), optimizer.clip_threshold)))  # noqa: SLF001
+    u_t_hat = ops.divide(u_t, ops.maximum(one, ops.divide(_rms(u_t), optimizer.clip_threshold)))
     optimizer.assign_sub(variable, ops.multiply(alpha_t, u_t_hat))

@@ -6,8 +6,8 @@ into a shared `DTypePolicyMap`, for seeing what a layer's `call` received and re
 these, on any model, without copying it), for building a model with its compiled loss and metrics from a data
 spec, for the layers a `DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the
 loss `model.fit` computes and the metric it reports it with, for the order `model.evaluate` lists its results
-in, or for an optimizer's slot variables (tfmp's fused updates) and for running an optimizer's update on
-stand-ins (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
+in, for an optimizer's slot variables (tfmp's fused updates, tfmp.adafactor) and whether its learning rate is a
+schedule, or for running its update on stand-ins (tfmp.bf16's float32 updates); Keras 3.10's `Model.quantize` takes no
 `filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a `BackupAndRestore`
 callback restored, nor which of a `MultiOptimizer`'s optimizers updates a variable (and a copy of its
 optimizers is what tfmp's applier needs), nor the base class of what a `.keras` file holds the state of
@@ -121,9 +121,8 @@ def paths_looked_up():
 
 
 def quantize(model, layers, mode):
-    """`model.quantize(mode)` for `layers` only. Keras 3.10 has no `filters=` argument:
-    there each layer is quantized by itself and the model's compiled functions are
-    dropped, as `Model.quantize` does after it."""
+    """`model.quantize(mode)` for `layers` only. Keras 3.10 has no `filters=` argument: there each layer is
+    quantized by itself and the model's compiled functions are dropped, as `Model.quantize` does after it."""
     if "filters" in inspect.signature(model.quantize).parameters:
         ids = {id(layer) for layer in layers}
         model.quantize(mode, filters=lambda layer: id(layer) in ids)
@@ -145,9 +144,8 @@ def producer(tensor):
 
 
 def output_layers(model):
-    """The layers that make a functional model's outputs, each found by walking back from
-    the output through weightless layers of one input (an Activation, a Softmax, a
-    Dropout); none for a subclassed model."""
+    """The layers that make a functional model's outputs, each found by walking back from the output through
+    weightless layers of one input (an Activation, a Softmax, a Dropout); none for a subclassed model."""
     found = []
     for output in getattr(model, "outputs", None) or []:
         layer = producer(output)
@@ -160,9 +158,8 @@ def output_layers(model):
 
 
 def casts_inputs(layer):
-    """Whether `layer` casts its floating inputs to its compute dtype when called. A nested
-    functional model leaves that to its own layers; a Sequential model casts to its
-    InputLayer's dtype."""
+    """Whether `layer` casts its floating inputs to its compute dtype when called. A nested functional model
+    leaves that to its own layers; a Sequential model casts to its InputLayer's dtype."""
     converts = layer.autocast and getattr(layer, "_convert_input_args", True)
     return bool(converts and layer.input_dtype == layer.compute_dtype)
 
@@ -179,12 +176,9 @@ def forget_compiled_functions(model):
 
 @contextlib.contextmanager
 def policies(layers, policy):
-    """Inside the block every layer in `layers` computes under `policy` (a name or a
-    `DTypePolicy`); afterwards each has its own policy object back.
-
-    The public setter would write into a `DTypePolicyMap` that other layers share (the one
-    `tfmp.keep_float32` makes); the policy attribute itself is swapped instead.
-    """
+    """Inside the block every layer in `layers` computes under `policy` (a name or a `DTypePolicy`); afterwards
+    each has its own policy object back. The public setter would write into a `DTypePolicyMap` that other layers
+    share (the one `tfmp.keep_float32` makes); the policy attribute itself is swapped instead."""
     policy = keras.dtype_policies.get(policy)
     saved = [layer._dtype_policy for layer in layers]  # noqa: SLF001
     try:
@@ -380,6 +374,11 @@ def optimizer_parts(optimizer):
 def learning_rate(optimizer):
     """`optimizer`'s learning rate (a wrapper's, its inner one's); None for a MultiOptimizer (one each)."""
     return None if is_multi(getattr(optimizer, "inner_optimizer", optimizer)) else optimizer.learning_rate
+
+
+def scheduled(optimizer):
+    """Whether `optimizer` was given its learning rate as a schedule or a callable (Adafactor's relative step)."""
+    return callable(optimizer._learning_rate)  # noqa: SLF001
 
 
 def global_seed():
