@@ -53,7 +53,7 @@ class Steps:
             overflow check and clipping (not on TPUs, whose all-reduce takes dense tensors; on one replica, only
             where the update keeps them sparse too); False densifies them first.
         fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam, AdamW, SGD; not on
-            TPUs); False keeps Keras' element-wise update.
+            TPUs); False keeps Keras' element-wise update (Adafactor's repaired either way: `tfmp.adafactor`).
         bf16_rounding: how bfloat16 weights are written back after each float32 update (`tfmp.bf16`): kahan,
             stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
