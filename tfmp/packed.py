@@ -4,6 +4,12 @@ import numpy as np
 import tensorflow as tf
 
 
+def as_log(value):
+    """A metric's result as Keras fit logs it: a Python float, or a numpy array where it has a shape (F1Score's,
+    one per class)."""
+    return float(value) if np.ndim(value) == 0 else np.asarray(value)
+
+
 class Packed:
     """Packs a dict of tensors into one int32 vector inside a compiled function (floats and
     int64s bit for bit, booleans as 0 or 1) and unpacks that vector's value on the host, by

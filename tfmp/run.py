@@ -10,7 +10,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, guards, keras_compat, loss_scale, pydata
+from tfmp import checkpoint, distribute, doctor, guards, keras_compat, loss_scale, packed, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import STEP_STATE
@@ -379,7 +379,7 @@ class Run:
     def _logs(self, out):
         """What callbacks see after a call: the model's metrics (running means over the
         epoch), and the loss scale where there is one."""
-        logs = {key: float(value) for key, value in out.items() if key not in STEP_STATE}
+        logs = {key: packed.as_log(value) for key, value in out.items() if key not in STEP_STATE}
         if self.steps.scaled:
             logs["loss_scale"] = float(out["loss_scale"])
         return logs

@@ -346,7 +346,7 @@ class Steps:
     def results(self):
         """The model's metric results, summed over replicas and workers."""
         with self.strategy.scope():
-            return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+            return {k: packed.as_log(v) for k, v in self.model.get_metrics_result().items()}
 
     # ---- evaluation ----
 
