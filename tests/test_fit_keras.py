@@ -359,30 +359,3 @@ def test_a_metric_added_since_the_checkpoint_does_not_stop_the_run_resuming(tmp_
     model = regression()
     model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae", "mse"])
     assert tfmp.fit(model, x, y, epochs=2, verbose=0, checkpoint_dir=str(tmp_path)).epoch == [1]
-
-
-@seeded
-def _classifier():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
-    model.compile("sgd", "binary_crossentropy", metrics=[keras.metrics.F1Score(threshold=0.5), "accuracy"])
-    return model
-
-
-def test_a_metric_of_several_values_is_logged_as_model_fit_logs_it(tmp_path):
-    """F1Score gives one value per class: model.fit logs an array where other metrics log a float; tfmp.fit
-    failed converting it to a float. Logged alike, through validation, the progress bar, checkpoints, TensorBoard,
-    a resume, and evaluate."""
-    x, _ = regression_arrays(64)
-    y = (x.sum(1, keepdims=True) > 4).astype("float32")
-    expected = _classifier().fit(x, y, batch_size=32, epochs=2, shuffle=False, validation_data=(x, y), verbose=0)
-    run = {"batch_size": 32, "shuffle": False, "validation_data": (x, y), "checkpoint_dir": tmp_path}
-    first = tfmp.fit(_classifier(), x, y, epochs=1, verbose=2, **run)
-    model = _classifier()
-    resumed = tfmp.fit(model, x, y, epochs=2, verbose=0, **run)  # At its second epoch.
-    for key, values in expected.history.items():
-        got = first.history[key] + resumed.history[key]
-        assert [type(v) for v in got] == [type(v) for v in values], key
-        np.testing.assert_allclose(np.stack(got), np.stack(values), rtol=1e-5, err_msg=key)
-    assert resumed.history["f1_score"][0].shape == (1,)
-    results = tfmp.evaluate(model, x, y, return_dict=True, verbose=0)
-    assert isinstance(results["f1_score"], np.ndarray) and isinstance(results["accuracy"], float)

@@ -4,9 +4,20 @@ import numpy as np
 import tensorflow as tf
 
 
+def flat(results):
+    """A model's metric results with a dict result's entries in its place (a metric whose `result()` is a dict, or a
+    model's whose `compute_metrics` returns one), as Keras fit's logs hold them."""
+    out = {}
+    for key, value in results.items():
+        out.update(flat(value) if isinstance(value, dict) else {key: value})
+    return out
+
+
 def as_log(value):
     """A metric's result as Keras fit logs it: a Python float, or a numpy array where it has a shape (F1Score's,
     one per class)."""
+    if not isinstance(value, (np.ndarray, np.generic, float, int)):  # A tensor, or a variable a result() returned.
+        value = tf.convert_to_tensor(value).numpy()
     return float(value) if np.ndim(value) == 0 else np.asarray(value)
 
 

@@ -331,7 +331,7 @@ class Steps:
     def _with_state(self, out):
         # Read inside the compiled call, so the host needs no extra variable reads per step.
         with self.strategy.scope():  # Cross-replica reads of the on-read metric variables.
-            out.update(self.model.get_metrics_result())
+            out.update(packed.flat(self.model.get_metrics_result()))
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
         learning_rate = keras_compat.learning_rate(self.optimizer)
         if learning_rate is not None:  # A MultiOptimizer has none of its own.
@@ -346,7 +346,7 @@ class Steps:
     def results(self):
         """The model's metric results, summed over replicas and workers."""
         with self.strategy.scope():
-            return {k: packed.as_log(v) for k, v in self.model.get_metrics_result().items()}
+            return {k: packed.as_log(v) for k, v in packed.flat(self.model.get_metrics_result()).items()}
 
     # ---- evaluation ----
 

@@ -1,0 +1,60 @@
+"""Metric results as model.fit logs them: a Python float for one number, a numpy array for several (F1Score's, one
+per class), each entry of a metric's dict result on its own."""
+
+import keras
+import numpy as np
+import pytest
+from conftest import regression_arrays, seeded
+
+import tfmp
+
+
+class Counted(keras.metrics.Metric):
+    """A metric whose result is a dict, one entry a variable as it is."""
+
+    def __init__(self, name="counted", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(keras.ops.sum(keras.ops.cast(y_pred, "float32")))
+        self.count.assign_add(keras.ops.cast(keras.ops.shape(y_pred)[0], "float32"))
+
+    def result(self):
+        return {"mean_prediction": self.total / self.count, "examples": self.count}
+
+
+@seeded
+def _classifier():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile("sgd", "binary_crossentropy", metrics=[keras.metrics.F1Score(threshold=0.5), "accuracy", Counted()])
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_metrics_of_several_values_are_logged_as_model_fit_logs_them(tmp_path, mirrored, replicas):
+    """F1Score gives one value per class, and a metric may give a dict: model.fit logs an array where other
+    metrics log a float, and each entry of a dict on its own. tfmp.fit failed converting them to floats. Logged
+    alike, through validation, the progress bar, checkpoints, TensorBoard, a resume, and evaluate."""
+    strategy = mirrored if replicas == 2 else None
+    x, _ = regression_arrays(64)
+    y = (x.sum(1, keepdims=True) > 4).astype("float32")
+    run = {"batch_size": 32, "shuffle": False, "validation_data": (x, y)}
+    expected = _classifier(strategy).fit(x, y, epochs=2, verbose=0, **run)
+    run["checkpoint_dir"] = tmp_path
+    first = tfmp.fit(_classifier(strategy), x, y, epochs=1, verbose=2, **run)
+    model = _classifier(strategy)
+    resumed = tfmp.fit(model, x, y, epochs=2, verbose=0, **run)  # At its second epoch.
+    assert {"examples", "val_mean_prediction"} <= set(expected.history) == set(resumed.history)
+    for key, values in expected.history.items():
+        for ours, theirs in zip(first.history[key] + resumed.history[key], values, strict=True):
+            if isinstance(theirs, keras.Variable):  # Keras 3.10 logs a variable result as it is (its last value).
+                continue
+            assert isinstance(ours, float if np.ndim(theirs) == 0 else np.ndarray), key  # Keras 3.15: F1's (1,).
+            np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-5, err_msg=key)
+    results = tfmp.evaluate(model, x, y, return_dict=True, verbose=0)
+    for key, theirs in model.evaluate(x, y, return_dict=True, verbose=0).items():
+        assert isinstance(results[key], float if np.ndim(theirs) == 0 else np.ndarray), key
+        np.testing.assert_allclose(np.asarray(results[key]), np.asarray(theirs), rtol=1e-5, err_msg=key)
+    assert results["examples"] == len(x)  # Summed over the replicas.
