@@ -58,3 +58,27 @@ def test_metrics_of_several_values_are_logged_as_model_fit_logs_them(tmp_path, m
         assert isinstance(results[key], float if np.ndim(theirs) == 0 else np.ndarray), key
         np.testing.assert_allclose(np.asarray(results[key]), np.asarray(theirs), rtol=1e-5, err_msg=key)
     assert results["examples"] == len(x)  # Summed over the replicas.
+
+
+class Extra(keras.Model):
+    """A model whose compute_metrics returns an entry of its own beside its metrics' results."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return {**super().compute_metrics(x, y, y_pred, sample_weight), "prediction_mean": keras.ops.mean(y_pred)}
+
+
+def test_entries_compute_metrics_adds_are_said_not_to_be_logged(caplog):
+    x, y = regression_arrays(64)
+    keras.utils.set_random_seed(0)
+    model = Extra()
+    model.compile("sgd", "mse", metrics=["mae"])
+    history = tfmp.fit(model, x, y, batch_size=32, verbose=0)
+    assert set(history.history) == {"loss", "mae"}
+    assert "compute_metrics returns prediction_mean beside its metrics' results" in caplog.text

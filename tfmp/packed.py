@@ -1,16 +1,37 @@
 """A compiled step's outputs as one int32 vector, so that the host reads them with one copy."""
 
+import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 
 def flat(results):
-    """A model's metric results with a dict result's entries in its place (a metric whose `result()` is a dict, or a
-    model's whose `compute_metrics` returns one), as Keras fit's logs hold them."""
+    """A model's metric results with a dict result's entries in its place (a metric whose `result()` is a dict), as
+    Keras fit's logs hold them."""
     out = {}
     for key, value in results.items():
         out.update(flat(value) if isinstance(value, dict) else {key: value})
     return out
+
+
+def update_metrics(model, x, y, y_pred, sample_weight):
+    """`model.compute_metrics(...)`, which updates its metrics. A `compute_metrics` of the model's own may return more
+    than their results: model.fit logs the extra entries (the last step's values), tfmp.fit its metrics' results
+    only, and says so once."""
+    returned = model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    if type(model).compute_metrics is keras.Model.compute_metrics or not isinstance(returned, dict):
+        return
+    extra = sorted(set(flat(returned)) - set(flat(model.get_metrics_result())))
+    if extra:
+        logging.log_first_n(
+            logging.WARNING,
+            "%s.compute_metrics returns %s beside its metrics' results: model.fit logs them, tfmp.fit logs only the "
+            "results of the model's metrics (make each a keras.metrics.Metric, e.g. a keras.metrics.Mean)",
+            1,
+            type(model).__name__,
+            ", ".join(extra),
+        )
 
 
 def as_log(value):

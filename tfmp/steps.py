@@ -234,7 +234,7 @@ class Steps:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             if not accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
                 self._track_loss(loss, each, skip_non_finite=True)
-            self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            packed.update_metrics(self.model, x, y, y_pred, sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
         return grads, tf.add_n(losses) / len(losses), unmasked
@@ -375,7 +375,7 @@ class Steps:
         if accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
             loss, examples = accumulate.as_global(loss, examples, unmasked, self.strategy.num_replicas_in_sync)
         self._track_loss(loss, examples)
-        self.model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        packed.update_metrics(self.model, x, y, y_pred, sample_weight)
 
     def _test_step(self, batch):
         self.strategy.run(self._replica_test, args=(batch,))
