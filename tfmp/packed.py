@@ -1,4 +1,5 @@
-"""A compiled step's outputs as one int32 vector, so that the host reads them with one copy."""
+"""A compiled step's outputs: the model's metric results as Keras fit logs them, packed into one int32 vector so
+that the host reads them with one copy."""
 
 import keras
 import numpy as np
