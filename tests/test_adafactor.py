@@ -29,7 +29,11 @@ def _variables(shapes, rng):
 SCHEDULE = keras.optimizers.schedules.ExponentialDecay(0.05, 2, 0.5)  # Called: no relative step (Keras).
 
 
-@pytest.mark.parametrize("options", [{}, {"learning_rate": 0.05, "relative_step": False}, {"learning_rate": SCHEDULE}])
+# 2.0: above 1 / sqrt(step), where the relative step caps it.
+OPTIONS = [{}, {"learning_rate": 2.0}, {"learning_rate": 0.05, "relative_step": False}, {"learning_rate": SCHEDULE}]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 def test_keras_bits_wherever_keras_update_is_finite(options):
     rng = np.random.default_rng(0)
     shapes = [(6, 4), (2, 3, 5), (4,)]

@@ -268,12 +268,6 @@ def test_variable_index_decays_slots_of_and_with_slots():
     assert set(keras_compat.slots_of(keras.optimizers.SGD(0.1), 0)) == set()  # No momentum: no slot.
 
 
-def test_scheduled_tells_a_schedule_or_callable_from_a_rate():
-    assert not keras_compat.scheduled(keras.optimizers.Adafactor(0.01))
-    assert keras_compat.scheduled(keras.optimizers.Adafactor(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)))
-    assert keras_compat.scheduled(keras.optimizers.SGD(lambda: 0.1))
-
-
 def test_backup_epoch_is_the_epoch_backup_and_restore_restored(tmp_path):
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")

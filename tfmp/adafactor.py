@@ -41,8 +41,7 @@ def update_step(optimizer, gradient, variable, learning_rate):
     epsilon_2 = ops.cast(optimizer.epsilon_2, variable.dtype)
     one = ops.cast(1.0, variable.dtype)
     local_step = ops.cast(optimizer.iterations + 1, variable.dtype)
-    if not keras_compat.scheduled(optimizer) and optimizer.relative_step:
-        lr = ops.minimum(lr, 1 / ops.sqrt(local_step))
+    # Keras first caps a fixed rate at 1 / sqrt(step) (relative_step); rho_t's cap below gives the same bits.
     slots = keras_compat.slots_of(optimizer, keras_compat.variable_index(optimizer, variable))
     r, c, v = slots["_r"], slots["_c"], slots["_v"]
 

@@ -6,8 +6,8 @@ into a shared `DTypePolicyMap`, for seeing what a layer's `call` received and re
 these, on any model, without copying it), for building a model with its compiled loss and metrics from a data
 spec, for the layers a `DTypePolicyMap` serves (tfmp.keep_float32 warns of names that matched none), for the
 loss `model.fit` computes and the metric it reports it with, for the order `model.evaluate` lists its results
-in, for an optimizer's slot variables (tfmp's fused updates, tfmp.adafactor) and whether its learning rate is a
-schedule, or for running its update on stand-ins (tfmp.bf16's float32 updates); Keras 3.10's `Model.quantize` takes no
+in, or for an optimizer's slot variables (tfmp's fused updates, tfmp.adafactor) and for running its update on
+stand-ins (tfmp.bf16's float32 updates of bfloat16 weights); Keras 3.10's `Model.quantize` takes no
 `filters`; the seed `keras.utils.set_random_seed` was given has no getter, nor the epoch a `BackupAndRestore`
 callback restored, nor which of a `MultiOptimizer`'s optimizers updates a variable (and a copy of its
 optimizers is what tfmp's applier needs), nor the base class of what a `.keras` file holds the state of
@@ -374,11 +374,6 @@ def optimizer_parts(optimizer):
 def learning_rate(optimizer):
     """`optimizer`'s learning rate (a wrapper's, its inner one's); None for a MultiOptimizer (one each)."""
     return None if is_multi(getattr(optimizer, "inner_optimizer", optimizer)) else optimizer.learning_rate
-
-
-def scheduled(optimizer):
-    """Whether `optimizer` was given its learning rate as a schedule or a callable (Adafactor's relative step)."""
-    return callable(optimizer._learning_rate)  # noqa: SLF001
 
 
 def global_seed():
