@@ -1,6 +1,7 @@
 """What tfmp's compiled step holds: embedding gradients that stay sparse (and train exactly
 like dense ones), a count of the ops run outside XLA that does not grow with the variables,
-and one compiled step for every batch of token ids."""
+one compiled step for every batch of token ids, and steps kept for a model only while its compile
+and settings hold (a fine-tuned base trains after its compile)."""
 
 import gc
 import weakref
@@ -9,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import GPUS, regression, regression_data
+from conftest import GPUS, assert_same, regression, regression_arrays, regression_data, weights
 
 import tfmp
 from tfmp import loop, steps, xla
@@ -283,3 +284,37 @@ def test_a_model_is_freed_after_its_fit_as_after_model_fit(mirrored, jit_compile
         del model
     gc.collect()
     assert [ref() for ref in made] == [None, None]
+
+
+# ---- fine-tuning: a frozen base, then unfrozen ----
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_base_unfrozen_and_compiled_again_trains_as_under_model_fit(mirrored, replicas):
+    """Transfer learning's two phases: the head alone, then the whole model after `base.trainable = True` and a
+    `compile`, then frozen again. The steps kept from the first phase must not train the second (their
+    variables were the head's); without a `compile` Keras fit keeps its step, the base frozen, and so does tfmp."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    x, y = regression_arrays()
+    moved = {}
+    for fit in ("keras", "tfmp"):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            base = keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(16)], name="base")
+            inputs = keras.Input((8,))
+            model = keras.Model(inputs, keras.layers.Dense(1)(base(inputs)))
+        trace = []
+        for trainable, recompile in ((False, True), (True, False), (True, True), (False, True)):
+            base.trainable = trainable
+            if recompile:
+                with strategy.scope():
+                    model.compile(tfmp.wrap_optimizer(keras.optimizers.Adam(1e-2)), "mse")
+            before = [w.numpy() for w in base.weights]
+            if fit == "keras":
+                model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+            else:
+                tfmp.fit(model, x, y, batch_size=32, epochs=1, shuffle=False, strategy=strategy, verbose=0)
+            trace.append(any(np.any(a != w.numpy()) for a, w in zip(before, base.weights, strict=True)))
+        moved[fit] = (trace, weights(model))
+    assert moved["keras"][0] == moved["tfmp"][0] == [False, False, True, False]
+    assert_same(moved["keras"][1], moved["tfmp"][1], atol=0 if replicas == 1 else 1e-5)
