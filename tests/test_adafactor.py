@@ -9,7 +9,7 @@ import tensorflow as tf
 from conftest import seeded
 
 import tfmp
-from tfmp import fused, keras_compat
+from tfmp import fused, keras_optimizers
 
 
 def _apply(optimizer, grads, variables, repaired):
@@ -17,7 +17,7 @@ def _apply(optimizer, grads, variables, repaired):
     optimizer.build(variables)
     applier = optimizer
     if repaired:
-        applier = keras_compat.reduced_applier(optimizer, {id(optimizer): (fused.update_step(optimizer), None)})
+        applier = keras_optimizers.reduced_applier(optimizer, {id(optimizer): (fused.update_step(optimizer), None)})
     for step in grads:
         applier.apply([tf.constant(g) for g in step], variables)
 

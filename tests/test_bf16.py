@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import weights
 
 import tfmp
-from tfmp import bf16, keras_compat
+from tfmp import bf16, keras_optimizers
 from tfmp.errors import UsageError
 from tfmp.steps import Steps
 
@@ -124,7 +124,7 @@ def test_each_optimizer_runs_keras_own_update_in_float32(name):
     ours.build([low])
     bf16.build(ours, [low], "kahan")
     step = bf16.update_step(ours, "kahan", 0, fallback=None)
-    applier = keras_compat.reduced_applier(ours, {id(ours): (step, bf16.weight_decay_filter)})
+    applier = keras_optimizers.reduced_applier(ours, {id(ours): (step, bf16.weight_decay_filter)})
     for g in grads:
         keras_opt.apply([tf.constant(g)], [reference])
         applier.apply([tf.constant(g)], [low])

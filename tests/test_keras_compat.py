@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tfmp
-from tfmp import keras_compat
+from tfmp import keras_compat, keras_optimizers
 
 
 def _nested():
@@ -149,13 +149,13 @@ def test_slots_are_the_optimizers_own():
     variable = keras.Variable(np.ones(3, "float32"))
     adam = keras.optimizers.Adam(0.1)
     adam.apply([tf.constant([1.0, 2.0, 3.0])], [variable])
-    m, v = keras_compat.slot(adam, "momentums", variable), keras_compat.slot(adam, "velocities", variable)
+    m, v = keras_optimizers.slot(adam, "momentums", variable), keras_optimizers.slot(adam, "velocities", variable)
     np.testing.assert_allclose(np.asarray(m), [0.1, 0.2, 0.3], rtol=1e-6)  # (1 - beta_1) g.
     np.testing.assert_allclose(np.asarray(v), [0.001, 0.004, 0.009], rtol=1e-5)  # (1 - beta_2) g^2.
     sgd = keras.optimizers.SGD(0.1, momentum=0.9)
     sgd.apply([tf.constant([1.0, 1.0, 1.0])], [variable])
-    np.testing.assert_allclose(np.asarray(keras_compat.slot(sgd, "momentums", variable)), [-0.1] * 3, rtol=1e-6)
-    assert keras_compat.trained_variables(sgd) == [variable]
+    np.testing.assert_allclose(np.asarray(keras_optimizers.slot(sgd, "momentums", variable)), [-0.1] * 3, rtol=1e-6)
+    assert keras_optimizers.trained_variables(sgd) == [variable]
 
 
 def test_producer_and_output_layers_walk_back_from_the_outputs():
@@ -178,7 +178,7 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
         steps.append(var.name)
         var.assign_sub(learning_rate * gradient)
 
-    applier = keras_compat.reduced_applier(sgd, {id(sgd): (update_step, None)})
+    applier = keras_optimizers.reduced_applier(sgd, {id(sgd): (update_step, None)})
 
     def replica_apply():  # Each replica gives the already-summed gradient [2, 4].
         applier.apply([tf.constant([2.0, 4.0])], [variable])
@@ -190,7 +190,7 @@ def test_reduced_applier_applies_to_the_shared_variables_without_all_reducing_or
     assert steps and int(sgd.iterations.numpy()) == 1  # The shared iteration count moved on.
     assert dict(vars(sgd)) == before and "update_step" not in vars(sgd)  # The optimizer itself: untouched.
     wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
-    copied = keras_compat.reduced_applier(wrapped, None, "gradients_reduced")
+    copied = keras_optimizers.reduced_applier(wrapped, None, "gradients_reduced")
     assert copied.inner_optimizer is not wrapped.inner_optimizer and copied.gradients_reduced is True
     assert (
         not hasattr(wrapped, "gradients_reduced")
@@ -207,18 +207,18 @@ def test_a_multi_optimizers_map_parts_copy_and_reduced_applier(mirrored):
         kernel, bias = keras.Variable(np.ones(2, "float32"), name="kernel"), keras.Variable(np.ones(2, "float32"))
         sgd, adam = keras.optimizers.SGD(0.5), keras.optimizers.Adam()
         multi = keras.optimizers.MultiOptimizer(lambda v: sgd if "kernel" in v.path else adam)
-        assert keras_compat.optimizer_for(multi, kernel) is sgd  # Unbuilt: its map.
+        assert keras_optimizers.optimizer_for(multi, kernel) is sgd  # Unbuilt: its map.
         multi.build([kernel, bias])
-    assert keras_compat.optimizer_groups(multi, [kernel, bias]) == [(sgd, [kernel]), (adam, [bias])]
-    assert keras_compat.optimizer_groups(sgd, [kernel]) == [(sgd, [kernel])]
+    assert keras_optimizers.optimizer_groups(multi, [kernel, bias]) == [(sgd, [kernel]), (adam, [bias])]
+    assert keras_optimizers.optimizer_groups(sgd, [kernel]) == [(sgd, [kernel])]
     wrapped = keras.optimizers.LossScaleOptimizer(multi)
-    assert keras_compat.optimizer_parts(wrapped) == [sgd, adam] and keras_compat.optimizer_parts(sgd) == []
-    assert keras_compat.learning_rate(wrapped) is None and keras_compat.learning_rate(sgd) is sgd.learning_rate
-    fresh = keras_compat.fresh_optimizer(wrapped)
+    assert keras_optimizers.optimizer_parts(wrapped) == [sgd, adam] and keras_optimizers.optimizer_parts(sgd) == []
+    assert keras_optimizers.learning_rate(wrapped) is None and keras_optimizers.learning_rate(sgd) is sgd.learning_rate
+    fresh = keras_optimizers.fresh_optimizer(wrapped)
     fresh.build([kernel, bias])
     assert [type(o) for o in fresh.optimizers] == [keras.optimizers.SGD, keras.optimizers.Adam]
     assert not set(map(id, fresh.optimizers)) & {id(sgd), id(adam)}
-    applier = keras_compat.reduced_applier(multi)
+    applier = keras_optimizers.reduced_applier(multi)
     assert applier.optimizers[0] is not sgd and applier.optimizers[0].iterations is sgd.iterations
     mirrored.run(tf.function(lambda: applier.apply([tf.constant([2.0, 4.0]), tf.constant([1.0, 1.0])], [kernel, bias])))
     for local in mirrored.experimental_local_results(kernel.value):
@@ -258,14 +258,14 @@ def test_variable_index_decays_slots_of_and_with_slots():
     adamw = keras.optimizers.AdamW(0.1, weight_decay=0.1)
     adamw.exclude_from_weight_decay(var_names=["b"])
     adamw.build([a, b])
-    assert keras_compat.variable_index(adamw, b) == 1 and keras_compat.variable_index(adamw, b.value) == 1
-    assert keras_compat.decays(adamw, a) and not keras_compat.decays(adamw, b)
-    slots = keras_compat.slots_of(adamw, 1)
+    assert keras_optimizers.variable_index(adamw, b) == 1 and keras_optimizers.variable_index(adamw, b.value) == 1
+    assert keras_optimizers.decays(adamw, a) and not keras_optimizers.decays(adamw, b)
+    slots = keras_optimizers.slots_of(adamw, 1)
     assert set(slots) == {"_momentums", "_velocities"} and slots["_momentums"].shape == (2,)
-    copy = keras_compat.with_slots(adamw, 1, {"_momentums": "stand-in"})
+    copy = keras_optimizers.with_slots(adamw, 1, {"_momentums": "stand-in"})
     assert copy._momentums[1] == "stand-in" and adamw._momentums[1] is slots["_momentums"]  # noqa: SLF001
     assert copy._get_variable_index(a) == 1  # noqa: SLF001
-    assert set(keras_compat.slots_of(keras.optimizers.SGD(0.1), 0)) == set()  # No momentum: no slot.
+    assert set(keras_optimizers.slots_of(keras.optimizers.SGD(0.1), 0)) == set()  # No momentum: no slot.
 
 
 def test_backup_epoch_is_the_epoch_backup_and_restore_restored(tmp_path):

@@ -203,3 +203,64 @@ def test_sum_and_mean_losses_split_unevenly_train_as_on_one_device(mirrored, jit
         return model
 
     _trains_as_on_one_device(mirrored, build, data, jit_compile)
+
+
+class OwnLoss(keras.Model):
+    """A `compute_loss` of the model's own, as Keras' guide writes one: a mean over its batch, alone ("own") or
+    added to Keras' ("plus"); two outputs, "a" reduced by `reduction`, so that per-output losses are logged too."""
+
+    def __init__(self, kind, **kwargs):
+        super().__init__(**kwargs)
+        self.kind, self.hidden = kind, keras.layers.Dense(4, activation="relu")
+        self.a, self.b = keras.layers.Dense(1, name="a"), keras.layers.Dense(1, name="b")
+
+    def call(self, x):
+        hidden = self.hidden(x)
+        return {"a": self.a(hidden), "b": self.b(hidden)}
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        own = keras.ops.mean(keras.ops.abs(y_pred["a"] - y["a"]))
+        if self.kind == "own":
+            return own
+        return super().compute_loss(x, y, y_pred, sample_weight, training) + 0.5 * own
+
+
+@pytest.mark.parametrize(
+    "kind, reduction, examples, jit_compile",
+    [
+        ("own", "sum_over_batch_size", 32, False),
+        ("own", "sum_over_batch_size", 35, True),
+        ("plus", "sum_over_batch_size", 32, False),
+        ("plus", "sum_over_batch_size", 35, False),
+        ("plus", "sum", 32, True),
+        ("plus", "sum", 35, False),
+    ],
+)
+def test_a_compute_loss_of_the_models_own_trains_on_replicas_as_on_one_device(
+    mirrored, kind, reduction, examples, jit_compile
+):
+    """Keras divides each compiled loss and each added loss by the replicas, not the terms a `compute_loss` of the
+    model's own adds: on 2 replicas model.fit trained those with twice one device's gradient (weights 0.022 apart
+    after 2 epochs with SGD) and logged twice their loss. tfmp takes what the override returns as its replica's
+    loss as one device's (Keras' division off while it runs, a sum counted whole) and weighs it as a mean. With 35
+    examples in batches of 8 the last batch splits 2 and 1: the weights, loss and val_loss as one device's; there
+    the per-output losses are each replica's mean weighed alike, with an override or without, so they are compared
+    on 32 examples."""
+    x = np.random.default_rng(0).random((examples, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, {"a": x[:, :1], "b": x[:, 1:2]})).batch(8)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = OwnLoss(kind)
+            losses = {"a": keras.losses.MeanSquaredError(reduction=reduction), "b": keras.losses.MeanSquaredError()}
+            model.compile(keras.optimizers.SGD(0.05), None if kind == "own" else losses)
+        logs = tfmp.fit(model, data, epochs=2, validation_data=data, jit_compile=jit_compile, verbose=0).history
+        return [w.numpy() for w in model.weights], logs
+
+    (weights, logs), (one_weights, one_logs) = train(mirrored), train(tf.distribute.get_strategy())
+    for a, b in zip(weights, one_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert logs.keys() == one_logs.keys()
+    for key in logs if examples == 32 else ("loss", "val_loss"):
+        np.testing.assert_allclose(logs[key], one_logs[key], rtol=1e-5, err_msg=key)

@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from tfmp import keras_compat
+from tfmp import keras_optimizers
 
 
 def is_keras(optimizer):
@@ -42,7 +42,7 @@ def update_step(optimizer, gradient, variable, learning_rate):
     one = ops.cast(1.0, variable.dtype)
     local_step = ops.cast(optimizer.iterations + 1, variable.dtype)
     # Keras first caps a fixed rate at 1 / sqrt(step) (relative_step); rho_t's cap below gives the same bits.
-    slots = keras_compat.slots_of(optimizer, keras_compat.variable_index(optimizer, variable))
+    slots = keras_optimizers.slots_of(optimizer, keras_optimizers.variable_index(optimizer, variable))
     r, c, v = slots["_r"], slots["_c"], slots["_v"]
 
     rho_t = ops.minimum(lr, 1 / ops.sqrt(local_step))

@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import adafactor, keras_compat
+from tfmp import adafactor, keras_compat, keras_optimizers
 from tfmp.errors import UsageError
 
 ROUNDINGS = ("kahan", "stochastic", "nearest")
@@ -61,7 +61,7 @@ class Orthogonal(keras.initializers.Orthogonal):
 
 def check_supported(optimizer):
     """Raises a UsageError naming `optimizer` if its update has no bfloat16 path here."""
-    if type(optimizer).update_step not in keras_compat.UPDATE_SLOTS:
+    if type(optimizer).update_step not in keras_optimizers.UPDATE_SLOTS:
         raise UsageError(
             f"bfloat16 weights: tfmp computes the updates of {SUPPORTED} in float32 and compensates their "
             f"rounding; {type(optimizer).__name__} is none of them (a subclass that changes update_step is "
@@ -117,7 +117,7 @@ def buffers(optimizer):
     """The Kahan buffers tfmp made for `optimizer` (a wrapper's inner one, a MultiOptimizer's
     optimizers), in order: tfmp's checkpoints hold them beside the optimizer's variables."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    parts = keras_compat.optimizer_parts(inner) or [inner]
+    parts = keras_optimizers.optimizer_parts(inner) or [inner]
     return [v for part in parts for v in getattr(getattr(part, _BUFFERS, None), "variables", [])]
 
 
@@ -265,7 +265,7 @@ def update_step(optimizer, rounding, seed, fallback):
     def step(gradient, variable, learning_rate):
         if not is_bfloat16(variable):
             return fallback(gradient, variable, learning_rate)
-        index = keras_compat.variable_index(optimizer, variable)
+        index = keras_optimizers.variable_index(optimizer, variable)
         step_count = optimizer.iterations
         buffer = getattr(optimizer, _BUFFERS, None)
         buffer = buffer.buffers[index] if buffer is not None else None
@@ -273,10 +273,10 @@ def update_step(optimizer, rounding, seed, fallback):
         if buffer is not None:
             weight = _View(tf.cast(variable, tf.float32) + tf.cast(buffer, tf.float32))
         lr = tf.cast(learning_rate, tf.float32)
-        if keras_compat.decays(optimizer, variable):
+        if keras_optimizers.decays(optimizer, variable):
             weight.assign_sub(weight.value * tf.cast(optimizer.weight_decay, tf.float32) * lr)
-        slots = {name: (slot, _View(slot)) for name, slot in keras_compat.slots_of(optimizer, index).items()}
-        shadow = keras_compat.with_slots(optimizer, index, {name: view for name, (_, view) in slots.items()})
+        slots = {name: (slot, _View(slot)) for name, slot in keras_optimizers.slots_of(optimizer, index).items()}
+        shadow = keras_optimizers.with_slots(optimizer, index, {name: view for name, (_, view) in slots.items()})
         method(shadow, tf.cast(tf.convert_to_tensor(gradient), tf.float32), weight, lr)
         _write(variable, buffer, weight.value, rounding, _seed(seed, step_count, index, 0))
         for part, (slot, view) in enumerate(slots.values(), 1):

@@ -7,7 +7,7 @@ import keras
 import tensorflow as tf
 from absl import logging
 
-from tfmp import bf16, callback_state, keras_compat
+from tfmp import bf16, callback_state, keras_optimizers
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.run_directory import flag_for
 
@@ -41,7 +41,7 @@ class Checkpointer:
         # Dropout's random state: Keras keeps it in seed generators tf.train does not track.
         rng = [v.value for v in model.variables if v.path.endswith("seed_generator_state")]
         # A MultiOptimizer's state is its optimizers', which tf.train does not reach from it.
-        parts = keras_compat.optimizer_parts(optimizer)
+        parts = keras_optimizers.optimizer_parts(optimizer)
         self.checkpoint = tf.train.Checkpoint(
             model=model,
             optimizer=optimizer,
@@ -186,7 +186,7 @@ class Checkpointer:
 def learning_rate_variable(optimizer):
     """The variable holding `optimizer`'s learning rate, which a checkpoint restores; None for a schedule or a
     MultiOptimizer."""
-    rate = keras_compat.learning_rate(optimizer)
+    rate = keras_optimizers.learning_rate(optimizer)
     return rate if isinstance(rate, keras.Variable) else None
 
 

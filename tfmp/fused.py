@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import adafactor, keras_compat
+from tfmp import adafactor, keras_optimizers
 
 
 def _float(value):
@@ -36,8 +36,8 @@ def _adam(optimizer, gradient, variable, learning_rate):
     beta_1, beta_2 = _float(optimizer.beta_1), _float(optimizer.beta_2)
     tf.raw_ops.ResourceApplyAdam(
         var=variable.handle,
-        m=keras_compat.slot(optimizer, "momentums", variable).handle,
-        v=keras_compat.slot(optimizer, "velocities", variable).handle,
+        m=keras_optimizers.slot(optimizer, "momentums", variable).handle,
+        v=keras_optimizers.slot(optimizer, "velocities", variable).handle,
         beta1_power=tf.pow(beta_1, step),
         beta2_power=tf.pow(beta_2, step),
         lr=_float(learning_rate),
@@ -57,7 +57,7 @@ def _sgd(optimizer, gradient, variable, learning_rate):
         return
     tf.raw_ops.ResourceApplyKerasMomentum(
         var=variable.handle,
-        accum=keras_compat.slot(optimizer, "momentums", variable).handle,
+        accum=keras_optimizers.slot(optimizer, "momentums", variable).handle,
         lr=_float(learning_rate),
         grad=_float(gradient),
         momentum=_float(optimizer.momentum),

@@ -5,7 +5,7 @@ import tensorflow as tf
 from absl import logging
 from keras import ops
 
-from tfmp import keras_compat, precision, tf_compat
+from tfmp import keras_compat, keras_optimizers, precision, tf_compat
 from tfmp.errors import UsageError
 
 
@@ -134,7 +134,7 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
         dynamic_growth_steps=int(growth_steps or optimizer.dynamic_growth_steps),
     )
     if optimizer.built:  # Carry on where it was: same scale, same count towards the next growth.
-        wrapped.build(keras_compat.trained_variables(optimizer.inner_optimizer))  # Its inner build is a no-op.
+        wrapped.build(keras_optimizers.trained_variables(optimizer.inner_optimizer))  # Its inner build is a no-op.
         wrapped.dynamic_scale.assign(optimizer.dynamic_scale)
         wrapped.step_counter.assign(optimizer.step_counter)
     return wrapped

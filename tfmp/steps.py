@@ -1,10 +1,10 @@
 """The compiled train and test steps behind `tfmp.fit`, for any compiled Keras model.
 
-One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own
-`compute_loss` (its compiled losses, loss weights, sample weights and regularization, each a mean over the
-GLOBAL batch), summing their gradients locally; the sum is all-reduced once, clipped by the global norm of the
-reduced, unscaled gradients, and applied. Under loss scaling the update is skipped on every replica when any
-reduced gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
+One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own `compute_loss`
+(its compiled losses, loss weights, sample weights and regularization, each a mean over the GLOBAL batch), summing
+their gradients locally; the sum is all-reduced once, clipped by the global norm of the reduced, unscaled
+gradients, and applied. Under loss scaling the update is skipped on every replica when any reduced gradient is
+non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
 import itertools
@@ -23,6 +23,7 @@ from tfmp import (
     fused,
     gradients,
     keras_compat,
+    keras_optimizers,
     packed,
     tf_compat,
     xla,
@@ -93,16 +94,15 @@ class Steps:
         fused_updates = fused_updates and distribute.strategy_name(strategy) != "tpu"
         self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
         hooks = {}  # Per optimizer (a MultiOptimizer's each): (its update_step, its weight decay filter).
-        for sub, variables in keras_compat.optimizer_groups(inner, self.variables):
+        for sub, variables in keras_optimizers.optimizer_groups(inner, self.variables):
             update_step = fused.update_step(sub, fuse=fused_updates)  # Made once, not per call.
             hooks[id(sub)] = bf16.applier_hooks(sub, variables, strategy, bf16_rounding, seed, update_step)
-        # What applies the all-reduced gradients: tfmp's copy of the optimizer, sharing its variables (keras_compat).
-        self._applier = keras_compat.reduced_applier(self.optimizer, hooks, "gradients_reduced")
+        self._applier = keras_optimizers.reduced_applier(self.optimizer, hooks, "gradients_reduced")  # Shares its state
         # Which gradients to make dense before the all-reduce: all of them with sparse=False; on one replica
         # (nothing to all-reduce), those the update makes dense anyway (Adam's moments decay on every row): once
         # dense, they need no deduplication. A bfloat16 weight's update (tfmp.bf16) reads its gradient whole.
         alone = strategy.num_replicas_in_sync == 1
-        dense_update = [fused.keras_densifies(keras_compat.optimizer_for(inner, v)) for v in self.variables]
+        dense_update = [fused.keras_densifies(keras_optimizers.optimizer_for(inner, v)) for v in self.variables]
         self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
@@ -333,7 +333,7 @@ class Steps:
         with self.strategy.scope():  # Cross-replica reads of the on-read metric variables.
             out.update(packed.flat(self.model.get_metrics_result()))
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
-        learning_rate = keras_compat.learning_rate(self.optimizer)
+        learning_rate = keras_optimizers.learning_rate(self.optimizer)
         if learning_rate is not None:  # A MultiOptimizer has none of its own.
             out["learning_rate"] = tf.convert_to_tensor(learning_rate)
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fit_data, float8, gradients, keras_compat, precision
+from tfmp import fit_data, float8, gradients, keras_compat, keras_optimizers, precision
 from tfmp import inputs as data_inputs
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
 from tfmp.doctor.watch import (
@@ -61,7 +61,7 @@ def diagnose(model, data, steps=8):
         layers, calls = session.layers, session.calls
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
         with model.distribute_strategy.scope():
-            optimizer = keras_compat.fresh_optimizer(model.optimizer)
+            optimizer = keras_optimizers.fresh_optimizer(model.optimizer)
         variables = list(model.trainable_variables)
         owner = owners(layers)
         hist = np.zeros((len(layers), len(BINS)), dtype=np.int64)
