@@ -145,6 +145,32 @@ def test_compute_loss_sums_the_losses_layers_add_in_float32():
     np.testing.assert_allclose(float(loss), expected, rtol=1e-3)
 
 
+def test_compute_loss_of_the_models_own_is_its_replicas_share_on_replicas(mirrored):
+    """On 2 replicas Keras divides its compiled loss by 2 (`scale_loss_for_distribution`), not a term an override of
+    `compute_loss` adds; tfmp turns Keras' division off while the override runs and halves the whole: a replica's
+    value is half its loss as one device's, the compiled part and the own term alike. Keras left as it was."""
+
+    class Own(keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return super().compute_loss(x, y, y_pred, sample_weight, training) + keras.ops.mean(keras.ops.abs(y_pred))
+
+    with mirrored.scope():
+        inputs = keras.Input((4,))
+        model = Own(inputs, keras.layers.Dense(2, kernel_initializer="ones")(inputs))
+        model.compile("sgd", "mse")
+    x, y = np.ones((4, 4), "float32"), np.zeros((4, 2), "float32")
+    original = keras.src.losses.loss.scale_loss_for_distribution
+
+    @tf.function
+    def replica_losses():
+        return mirrored.run(lambda: keras_compat.compute_loss(model, x, y, model(x), None, training=True))
+
+    values = mirrored.experimental_local_results(replica_losses())
+    # Each output is 4: mse 16, mean |y_pred| 4; Keras' division alone gave 16 / 2 + 4 = 12.
+    np.testing.assert_allclose([float(v) for v in values], [10.0, 10.0])
+    assert keras.src.losses.loss.scale_loss_for_distribution is original
+
+
 def test_slots_are_the_optimizers_own():
     variable = keras.Variable(np.ones(3, "float32"))
     adam = keras.optimizers.Adam(0.1)

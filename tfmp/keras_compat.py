@@ -88,9 +88,11 @@ def _same(value):
 @contextlib.contextmanager
 def _unscaled(active):
     """Where `active`, while it runs: Keras' 1/replicas on a loss, and its undoing for a loss's log, do nothing."""
+    if not active:
+        yield
+        return
     saved = loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution
-    if active:
-        loss_module.scale_loss_for_distribution = loss_module.unscale_loss_for_distribution = _same
+    loss_module.scale_loss_for_distribution = loss_module.unscale_loss_for_distribution = _same
     try:
         yield
     finally:
