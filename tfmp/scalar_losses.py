@@ -28,14 +28,26 @@ _warned = weakref.WeakSet()  # The compiled losses `one_per_example` warned of.
 
 
 @contextlib.contextmanager
-def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None):
+def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None, weighted=False):
     """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example, and
     of "sum", `sums_times` (default `micro_batches`) their value: the micro-batch's loss is weighed by its share of
     the update's examples (1 / micro_batches where they are equal), and a sum counts whole. Where the update is made
     of several replicas' or micro-batches' losses and one of them is a mean over the unmasked elements
-    (`masked_mean`), it warns, once a compiled loss."""
+    (`masked_mean`), or divides by the sample weights' sum (`weighted`: the batch has them), it warns, once a
+    compiled loss."""
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    if (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
+    parts = (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned
+    if parts and weighted and _losses_in(compiled_loss, ("mean_with_sample_weight",)):
+        _warned.add(compiled_loss)
+        logging.warning(
+            "a loss of reduction 'mean_with_sample_weight' divides each of %d replicas x %d accumulated batches by "
+            "its own sum of sample weights, and the parts weigh equally: the update weighs each example as one "
+            "update on the whole batch would only where every part's weights sum alike. For exact weights, give "
+            "it reduction='sum' and a loss weight of 1 / (the sample weights' sum expected in an update)",
+            replicas,
+            micro_batches,
+        )
+    if parts and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
         _warned.add(compiled_loss)
         logging.warning(
             "a loss is a mean over each batch's unmasked elements (a masked output) that tfmp weighs by them only "
