@@ -264,3 +264,38 @@ def test_a_compute_loss_of_the_models_own_trains_on_replicas_as_on_one_device(
     assert logs.keys() == one_logs.keys()
     for key in logs if examples == 32 else ("loss", "val_loss"):
         np.testing.assert_allclose(logs[key], one_logs[key], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.skipif(not hasattr(keras, "distillation"), reason="keras.distillation is Keras 3.12's and later")
+def test_keras_distiller_trains_and_logs_on_replicas_as_on_one_device(mirrored):
+    """Keras' own `Distiller` overrides `compute_loss`: its student loss is divided by the replicas, its logits
+    distillation is not, and its trackers log what it computed. Under model.fit on 2 replicas the student and
+    total losses logged half one device's and `loss` mixed both; under tfmp.fit every log is one device's."""
+    x = np.random.default_rng(0).random((256, 8), dtype=np.float32)
+    y = (x.sum(1) > 4).astype(np.int64)
+
+    def train(strategy):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            teacher = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(2)]
+            )
+            student = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)]
+            )
+            distiller = keras.distillation.Distiller(
+                teacher=teacher,
+                student=student,
+                distillation_losses=keras.distillation.LogitsDistillation(temperature=3.0),
+                student_loss_weight=0.5,
+            )
+            distiller.compile(keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        logs = tfmp.fit(distiller, x, y, batch_size=32, epochs=2, shuffle=False, verbose=0).history
+        return [w.numpy() for w in student.weights], logs
+
+    (weights, logs), (one_weights, one_logs) = train(mirrored), train(tf.distribute.get_strategy())
+    for a, b in zip(weights, one_weights, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert {"student_loss", "total_loss", "loss"} <= logs.keys() == one_logs.keys()
+    for key in logs:
+        np.testing.assert_allclose(logs[key], one_logs[key], rtol=1e-5, err_msg=key)
