@@ -13,33 +13,39 @@ import tfmp
 LENGTHS = [1, 2, 1, 3, 10, 9, 10, 8, 2, 10, 1, 7, 4, 10, 3, 5]
 
 
-def token_data(batch):
+def token_data(batch, weighted=False, outputs=1):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 20, (len(LENGTHS), 10))
     for row, length in enumerate(LENGTHS):
         tokens[row, length:] = 0
     targets = rng.integers(0, 5, (len(LENGTHS), 10))
-    return tf.data.Dataset.from_tensor_slices((tokens, targets)).batch(batch)
+    targets = targets if outputs == 1 else (targets,) * outputs
+    weights = np.where(np.arange(len(LENGTHS)) % 8 < 4, 4.0, 1.0).astype(np.float32)  # A batch's first half: 4.
+    weights = np.repeat(weights[:, None], 10, axis=1)  # One per token, as Keras multiplies them with the mask.
+    arrays = (tokens, targets, weights) if weighted else (tokens, targets)
+    return tf.data.Dataset.from_tensor_slices(arrays).batch(batch)
 
 
-def token_model(strategy, loss=None):
+def token_model(strategy, loss=None, outputs=1):
     """Per-token logits, a weight regularizer besides: the compiled loss is the mean over the unmasked tokens."""
     with strategy.scope():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((10,), dtype="int32")
         hidden = keras.layers.Embedding(20, 8, mask_zero=True)(inputs)
         hidden = keras.layers.Dense(8, activation="relu", kernel_regularizer=keras.regularizers.L2(1e-2))(hidden)
-        model = keras.Model(inputs, keras.layers.Dense(5)(hidden))
-        model.compile(keras.optimizers.SGD(0.5), loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        heads = [keras.layers.Dense(5)(hidden) for _ in range(outputs)]
+        model = keras.Model(inputs, heads[0] if outputs == 1 else heads)
+        loss = loss or keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        model.compile(keras.optimizers.SGD(0.5), loss if outputs == 1 else [loss] * outputs)
     return model
 
 
-def trained(strategy, batch, grad_accum_steps, jit_compile, loss=None):
+def trained(strategy, batch, grad_accum_steps, jit_compile, loss=None, weighted=False):
     model = token_model(strategy, loss)
     history = tfmp.fit(
         model,
-        token_data(batch),
-        validation_data=token_data(8),
+        token_data(batch, weighted),
+        validation_data=token_data(8, weighted),
         epochs=2,
         grad_accum_steps=grad_accum_steps,
         jit_compile=jit_compile,
@@ -63,41 +69,98 @@ def test_a_masked_mean_trains_as_one_batch_of_the_whole(mirrored, parts, jit_com
 
 
 @pytest.mark.parametrize(
-    "parts, reduction, said",
+    "parts, weighted, jit_compile",
+    [("accumulated", False, True), ("replicas", True, False), ("both", True, True), ("both", False, False)],
+)
+def test_a_masked_mean_divided_by_its_weights_trains_as_one_batch_of_the_whole(mirrored, parts, weighted, jit_compile):
+    """'mean_with_sample_weight' over a masked output divides by the sum of the sample weights times the mask (the
+    unmasked tokens, without sample weights), which each part sums apart: weighed by it (`scalar_losses.divisor`)."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+    whole, whole_logs = trained(tf.distribute.get_strategy(), 8, 1, jit_compile, loss, weighted)
+    strategy = tf.distribute.get_strategy() if parts == "accumulated" else mirrored
+    accumulated = 1 if parts == "replicas" else 2
+    weights, logs = trained(strategy, 8 // accumulated, accumulated, jit_compile, loss, weighted)
+    for a, b in zip(weights, whole, strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-7)
+    np.testing.assert_allclose(logs["loss"], whole_logs["loss"], rtol=1e-5)
+    np.testing.assert_allclose(logs["val_loss"], whole_logs["val_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "parts, reduction, outputs, said",
     [
-        ("accumulated", "mean_with_sample_weight", True),  # Divided by the weights' sum, which parts count apart.
-        ("replicas", "mean_with_sample_weight", True),
-        ("accumulated", "sum_over_batch_size", False),  # Weighed exactly.
-        ("whole", "mean_with_sample_weight", False),  # One part.
+        ("accumulated", "mean_with_sample_weight", 2, True),  # Several losses: one divisor cannot weigh them.
+        ("replicas", "sum_over_batch_size", 2, True),
+        ("accumulated", "sum_over_batch_size", 1, False),  # Weighed exactly.
+        ("replicas", "mean_with_sample_weight", 1, False),
+        ("whole", "sum_over_batch_size", 2, False),  # One part.
     ],
 )
-def test_a_masked_mean_that_cannot_be_weighed_is_said(mirrored, caplog, parts, reduction, said):
+def test_a_masked_mean_that_cannot_be_weighed_is_said(mirrored, caplog, parts, reduction, outputs, said):
     strategy = mirrored if parts == "replicas" else tf.distribute.get_strategy()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
-    model = token_model(strategy, loss)
+    model = token_model(strategy, loss, outputs)
     with caplog.at_level("WARNING"):
-        tfmp.fit(model, token_data(4), grad_accum_steps=2 if parts == "accumulated" else 1, verbose=0)
+        data = token_data(4, outputs=outputs)
+        tfmp.fit(model, data, grad_accum_steps=2 if parts == "accumulated" else 1, verbose=0)
     lines = [r.getMessage() for r in caplog.records if "unmasked elements" in r.getMessage()]
     assert len(lines) == int(said)
 
 
-@pytest.mark.parametrize(
-    "parts, weighted, said",
-    [("replicas", True, True), ("accumulated", True, True), ("replicas", False, False), ("whole", True, False)],
-)
-def test_a_mean_divided_by_its_parts_sample_weights_is_said(mirrored, caplog, parts, weighted, said):
-    """'mean_with_sample_weight' divides each replica's and micro-batch's loss by its own sum of sample weights, and
-    the parts weigh alike (2 replicas whose weights sum 4:1 ended 0.014 from one device's weights after 2 epochs,
-    model.fit the same): said once, with the exact way. Without sample weights, or in one part, nothing to say."""
-    strategy = mirrored if parts == "replicas" else tf.distribute.get_strategy()
+def weighted_data(batch, weighted=True, outputs=1):
+    """Regression targets; each batch of 8's first half weighs 4, its second 1: halves whose weights sum 4:1."""
     x = np.random.default_rng(0).random((32, 8), dtype=np.float32)
-    arrays = (x, x[:, :1], np.where(np.arange(32) % 8 < 4, 4.0, 1.0).astype(np.float32))
-    data = tf.data.Dataset.from_tensor_slices(arrays if weighted else arrays[:2]).batch(
-        4 if parts == "accumulated" else 8
-    )
+    y = x[:, :1] if outputs == 1 else (x[:, :1],) * outputs
+    arrays = (x, y, np.where(np.arange(32) % 8 < 4, 4.0, 1.0).astype(np.float32))
+    return tf.data.Dataset.from_tensor_slices(arrays if weighted else arrays[:2]).batch(batch)
+
+
+def weighted_model(strategy, outputs=1):
     with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-        model.compile("sgd", keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"))
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(4, activation="relu")(inputs)
+        heads = [keras.layers.Dense(1)(hidden) for _ in range(outputs)]
+        loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+        model = keras.Model(inputs, heads[0] if outputs == 1 else heads)
+        model.compile(keras.optimizers.SGD(0.1), loss if outputs == 1 else [loss] * outputs)
+    return model
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+@pytest.mark.parametrize("parts", ["accumulated", "replicas", "both"])
+def test_a_mean_divided_by_its_weights_trains_as_one_batch_of_the_whole(mirrored, parts, jit_compile):
+    """'mean_with_sample_weight' divides each replica's and micro-batch's loss by its own sample weights' sum, and
+    Keras weighs the parts alike (2 replicas whose weights summed 4:1 ended 0.014 from one device's weights after 2
+    epochs, model.fit the same): each part is weighed by its weights' sum (`scalar_losses.divisor`)."""
+    whole = weighted_model(tf.distribute.get_strategy())
+    fit = {"validation_data": weighted_data(8), "epochs": 2, "jit_compile": jit_compile, "verbose": 0}
+    whole_logs = tfmp.fit(whole, weighted_data(8), **fit).history
+    model = weighted_model(tf.distribute.get_strategy() if parts == "accumulated" else mirrored)
+    accumulated = 1 if parts == "replicas" else 2
+    logs = tfmp.fit(model, weighted_data(8 // accumulated), grad_accum_steps=accumulated, **fit).history
+    for a, b in zip(model.weights, whole.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-7)
+    np.testing.assert_allclose(logs["loss"], whole_logs["loss"], rtol=1e-5)
+    np.testing.assert_allclose(logs["val_loss"], whole_logs["val_loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "parts, weighted, outputs, said",
+    [
+        ("replicas", True, 2, True),  # Several losses: one divisor cannot weigh them.
+        ("accumulated", True, 2, True),
+        ("replicas", True, 1, False),  # Weighed by its divisor.
+        ("replicas", False, 2, False),  # Divided by its elements.
+        ("whole", True, 2, False),  # One part.
+    ],
+)
+def test_a_mean_divided_by_its_parts_sample_weights_is_said(mirrored, caplog, parts, weighted, outputs, said):
+    """Where 'mean_with_sample_weight' cannot be weighed by its parts' weights (several losses), it is said once,
+    with the exact way. Without sample weights, weighed, or in one part, nothing to say."""
+    strategy = mirrored if parts == "replicas" else tf.distribute.get_strategy()
+    model = weighted_model(strategy, outputs)
+    data = weighted_data(4 if parts == "accumulated" else 8, weighted, outputs)
     with caplog.at_level("WARNING"):
         tfmp.fit(model, data, epochs=2, grad_accum_steps=2 if parts == "accumulated" else 1, verbose=0)
     lines = [r.getMessage() for r in caplog.records if "mean_with_sample_weight" in r.getMessage()]

@@ -3,10 +3,11 @@
 Each micro-batch's loss is weighed by its share of the examples (1/their number where the sizes are static), so
 that the sum is the mean over their concatenation (a loss reduced by "sum" counts whole: tfmp.scalar_losses). A
 mean over a masked output's elements (padded sequences' tokens; Keras divides by the batch's count of unmasked
-ones) has a denominator each micro-batch and each replica counts apart, and their means would weigh equally
-whatever their counts. Where the compiled loss is that one mean (`scalar_losses.unmasked`), each micro-batch's loss
-is weighed by its count, and the sum by the replica's: its gradients are the mean over all its unmasked elements,
-and `tfmp.crossing.weigh_by_share` weighs the replicas by their counts, so that each element weighs as in one
+ones), or of reduction `mean_with_sample_weight` (divided by the sample weights' sum), has a divisor each
+micro-batch and each replica counts apart, and their means would weigh equally whatever their divisors. Where the
+compiled loss is that one mean (`scalar_losses.divisor`), each micro-batch's loss is weighed by its divisor, and
+the sum by the replica's: its gradients are the mean over all its elements as Keras weighs them, and
+`tfmp.crossing.weigh_by_share` weighs the replicas by their divisors, so that each element weighs as in one
 update on the whole global batch. One micro-batch on one replica is left as Keras computes it.
 """
 
@@ -22,8 +23,9 @@ def replica_gradients(steps, batches, replica_share=None):
 
     Returns:
         (gradients per trainable variable (None where it gets none; embeddings' IndexedSlices stay sparse),
-        each batch's loss, each batch's predictions, this replica's count of unmasked elements where the loss is
-        a mean over them and the update has several parts, else None).
+        each batch's loss, each batch's predictions, this replica's divisor (`scalar_losses.divisor`: its unmasked
+        elements, or its sample weights' sum) where the loss is a mean by one and the update has several parts,
+        else None).
     """
     model, n = steps.model, len(batches)
     parts = n > 1 or steps.strategy.num_replicas_in_sync > 1
@@ -36,10 +38,10 @@ def replica_gradients(steps, batches, replica_share=None):
             y_pred = keras_compat.call(model, x, training=True)
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
             loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, True, n, sums_times)
-            unmasked = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred) if parts else None
-            if unmasked is not None:  # Weighed by its share of the elements the first batch holds: near 1.
-                counts.append(unmasked)
-                weighed = loss * tf.cast(tf.math.divide_no_nan(unmasked[0], counts[0][1]), loss.dtype) / n
+            divisor = scalar_losses.divisor(keras_compat.compiled(model)[0], y_pred, sample_weight) if parts else None
+            if divisor is not None:  # Weighed by its share of the elements the first batch holds: near 1.
+                counts.append(divisor)
+                weighed = loss * tf.cast(tf.math.divide_no_nan(divisor[0], counts[0][1]), loss.dtype) / n
             elif isinstance(share, float):  # Batches of one size.
                 weighed = loss / n if n > 1 else loss
             else:  # Weighed by its share of the examples; kept as one of n losses whose mean is the update's.
@@ -75,8 +77,8 @@ def shares(batches):
 
 
 def _mean_over_elements(steps, grads, losses, counts, total):
-    """The gradients and losses of micro-batches weighed by their unmasked elements (`total` of them), as their
-    mean over all of them."""
+    """The gradients and losses of micro-batches weighed by their divisors (`total` of them: unmasked elements, or
+    sample weights), as their mean over all of them."""
     # The gradients: sum of (count / first batch's elements) x gradient / n; each batch's weight is count / total.
     factor = tf.math.divide_no_nan(counts[0][1] * len(counts), total)
     grads = [
@@ -94,12 +96,12 @@ def summed(model):
     return scalar_losses.only_sums(keras_compat.compiled(model)[0])
 
 
-def unmasked_on_replicas(model, y_pred, strategy):
-    """This replica's count of unmasked elements where the loss is a mean over them (`scalar_losses.unmasked`) on
-    several replicas, else None: what weighs its evaluation loss (`as_global`)."""
+def divisor_on_replicas(model, y_pred, sample_weight, strategy):
+    """This replica's divisor where the loss is a mean by one (`scalar_losses.divisor`: its unmasked elements, or its
+    sample weights' sum) on several replicas, else None: what weighs its evaluation loss (`as_global`)."""
     if strategy.num_replicas_in_sync == 1:
         return None
-    counts = scalar_losses.unmasked(keras_compat.compiled(model)[0], y_pred)
+    counts = scalar_losses.divisor(keras_compat.compiled(model)[0], y_pred, sample_weight)
     return None if counts is None else counts[0]
 
 
@@ -116,24 +118,24 @@ def replica_share(model, batches, replicas, by_shapes=True):
     return crossing.share_of(tf.add_n(crossing.examples_in(batches)), replicas)
 
 
-def logged_once(model, unmasked, replicas):
+def logged_once(model, divisor, replicas):
     """Whether each replica's loss is logged once for its batches, as its share of the global batch's (`as_global`),
-    not batch by batch by its own examples: on several replicas, where the loss is a mean over masked elements
-    (`unmasked`) or all sums. One device weighs a batch's sum by all its examples; each replica's by its own, the
-    sums of a last batch split 2 and 1 were 1-2% off in the epoch's loss. (Decided by the model alone, not by the
-    batches' static shapes: a test step can be traced with one replica's static and another's not.)"""
-    return replicas > 1 and (unmasked is not None or summed(model))
+    not batch by batch by its own examples: on several replicas, where the loss is a mean by a `divisor` (masked
+    elements, sample weights) or all sums. One device weighs a batch's sum by all its examples; each replica's by
+    its own, the sums of a last batch split 2 and 1 were 1-2% off in the epoch's loss. (Decided by the model and
+    the data's structure, not by the batches' static shapes: a test step can be traced with one replica's static
+    and another's not.)"""
+    return replicas > 1 and (divisor is not None or summed(model))
 
 
-def as_global(loss, examples, unmasked, replicas):
+def as_global(loss, examples, divisor, replicas):
     """(loss, examples) for the loss tracker (`Steps._track_loss`) from this replica's share of the global loss as
     Keras computes it and its `examples`, weighed by all the global batch's examples, as one device tracks it. A mean
-    over `unmasked` elements (this replica's own mean, divided by the replicas) is weighed by its unmasked elements
-    too, so that the replicas' sum is the global batch's mean over all of them; a sum (`unmasked` None) adds up as
-    it is."""
-    counts = tf.stack([examples, examples if unmasked is None else unmasked])
+    by a `divisor` (this replica's own mean, divided by the replicas) is weighed by its divisor too, so that the
+    replicas' sum is the global batch's mean by all of theirs; a sum (`divisor` None) adds up as it is."""
+    counts = tf.stack([examples, examples if divisor is None else divisor])
     reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, counts)
-    total, unmasked_total = tf.unstack(reduced)
-    if unmasked is not None:
-        loss = loss * tf.cast(tf.math.divide_no_nan(unmasked * replicas, unmasked_total), loss.dtype)
+    total, divisors = tf.unstack(reduced)
+    if divisor is not None:
+        loss = loss * tf.cast(tf.math.divide_no_nan(divisor * replicas, divisors), loss.dtype)
     return loss, total / replicas

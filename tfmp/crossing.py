@@ -99,21 +99,22 @@ def sizes_vary(batches):
     return any(_first(keras.utils.unpack_x_y_sample_weight(batch)[0]).shape[0] is None for batch in batches)
 
 
-def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, unmasked, replicas, summed=False, share=None):
+def weigh_by_share(batches, dense_flat, state_flat, sparse, loss, divisor, replicas, summed=False, share=None):
     """What `Crossing.pack` gave (and the loss) weighed by this replica's share of the global batch, where the
     replicas' batches can differ in size. Keras' loss, each replica's mean over its own examples divided by the
     replicas, weighs a replica's examples by how few it got (a last global batch of 1 example on 2 replicas: half
     its gradient; 33 as 17 and 16: each of the 16 more). Weighed by its examples x replicas / all examples (1.0
     where the split is even), the sum over replicas is the mean over the global batch, as on one device. Batches
     of a static size are equal on every replica: nothing to weigh. In replica context; `batches`: this replica's
-    (micro-)batches, whose examples it counts; or, where the loss is a mean over a masked output's elements
-    (`tfmp.accumulate`), `unmasked`, the replica's count of them, which weighs it even where the sizes are equal.
+    (micro-)batches, whose examples it counts; or, where the loss is a mean by a `divisor` (a masked output's
+    unmasked elements, the sample weights' sum: `tfmp.accumulate`), the replica's, which weighs it even where the
+    sizes are equal.
     `summed`: the losses are all sums, whose replicas' parts add up to the global sum as they are. `share`: the
     weight, where it was counted before the losses (`tfmp.accumulate.replica_share`)."""
-    if share is None and (summed or (unmasked is None and not sizes_vary(batches))):
+    if share is None and (summed or (divisor is None and not sizes_vary(batches))):
         return dense_flat, state_flat, sparse, loss
     weight = share
     if weight is None:
-        weight = share_of(unmasked if unmasked is not None else tf.add_n(examples_in(batches)), replicas)
+        weight = share_of(divisor if divisor is not None else tf.add_n(examples_in(batches)), replicas)
     sparse = [gradients.scale(g, weight) for g in sparse]
     return dense_flat * weight, state_flat, sparse, loss * tf.cast(weight, loss.dtype)  # (float8 state: a maximum.)

@@ -66,12 +66,11 @@ def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1, 
     own = replicas > 1 and type(model).compute_loss is not keras.Model.compute_loss
     if own:
         sums_times = (micro_batches if sums_times is None else sums_times) * replicas
-    weighted = sample_weight is not None  # A mean divided by the weights' sum on several parts is said.
     object.__setattr__(model, "_aggregate_additional_loss", in_float32)  # Past Keras' tracking; this call only.
     try:
         with (
             _unscaled(own),
-            scalar_losses.one_per_example(compiled(model)[0], y_pred, micro_batches, sums_times, weighted),
+            scalar_losses.one_per_example(compiled(model)[0], y_pred, micro_batches, sums_times, sample_weight),
         ):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
     finally:

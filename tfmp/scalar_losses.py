@@ -10,9 +10,10 @@ scalar is given to Keras as that value for each example of the batch, whose mean
 and scales as any other: one device's loss and gradients exactly. A loss reduced by "sum" is
 left alone (a sum over replicas is the global sum), as is everything on one replica.
 
-`unmasked` counts the elements of a loss that is a mean over a masked output's, which Keras divides by and each
-replica and micro-batch counts apart: tfmp.accumulate weighs the parts by them. `masked_mean` tells where such a
-mean cannot be weighed so (several losses; `mean_with_sample_weight`): then `one_per_example` warns.
+`divisor` is what Keras divides a mean by where it is not the batch's elements: a masked output's unmasked ones,
+or the sample weights' sum (`mean_with_sample_weight`), which each replica and micro-batch counts apart:
+tfmp.accumulate weighs the parts by it. Where a mean cannot be weighed so (several losses, or outputs),
+`one_per_example` warns.
 """
 
 import contextlib
@@ -28,16 +29,17 @@ _warned = weakref.WeakSet()  # The compiled losses `one_per_example` warned of.
 
 
 @contextlib.contextmanager
-def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None, weighted=False):
+def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None, sample_weight=None):
     """While it runs, the compiled loss's own losses of mean reductions give a scalar as one value per example, and
     of "sum", `sums_times` (default `micro_batches`) their value: the micro-batch's loss is weighed by its share of
     the update's examples (1 / micro_batches where they are equal), and a sum counts whole. Where the update is made
     of several replicas' or micro-batches' losses and one of them is a mean over the unmasked elements
-    (`masked_mean`), or divides by the sample weights' sum (`weighted`: the batch has them), it warns, once a
+    (`masked_mean`), or divides by the `sample_weight`s' sum, which `divisor` cannot weigh, it warns, once a
     compiled loss."""
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     parts = (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned
-    if parts and weighted and _losses_in(compiled_loss, ("mean_with_sample_weight",)):
+    by_weights = sample_weight is not None and _losses_in(compiled_loss, ("mean_with_sample_weight",))
+    if parts and by_weights and divisor(compiled_loss, y_pred, sample_weight) is None:
         _warned.add(compiled_loss)
         logging.warning(
             "a loss of reduction 'mean_with_sample_weight' divides each of %d replicas x %d accumulated batches by "
@@ -47,7 +49,7 @@ def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None
             replicas,
             micro_batches,
         )
-    if parts and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred):
+    if parts and compiled_loss not in _warned and masked_mean(compiled_loss, y_pred, sample_weight):
         _warned.add(compiled_loss)
         logging.warning(
             "a loss is a mean over each batch's unmasked elements (a masked output) that tfmp weighs by them only "
@@ -107,13 +109,13 @@ def _losses_in(root, reductions):
     return found
 
 
-def masked_mean(compiled_loss, y_pred):
+def masked_mean(compiled_loss, y_pred, sample_weight=None):
     """Whether a compiled loss of a mean reduction meets a masked output (an `Embedding(mask_zero=True)`'s tokens
-    through a per-token head), where `unmasked` does not apply: Keras' loss is then the mean over the batch's
+    through a per-token head), where `divisor` does not apply: Keras' loss is then the mean over the batch's
     unmasked elements, each replica and each accumulated micro-batch divides by its own count, and their means weigh
     equally, where one update on the whole batch (one device's) weighs each element equally."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
-    return masked and bool(_losses_in(compiled_loss, _MEANS)) and _weighable_mask(compiled_loss, y_pred) is None
+    return masked and bool(_losses_in(compiled_loss, _MEANS)) and divisor(compiled_loss, y_pred, sample_weight) is None
 
 
 def mixes_sums(compiled_loss):
@@ -122,24 +124,38 @@ def mixes_sums(compiled_loss):
     return "sum" in reductions and len(reductions) > 1
 
 
-def unmasked(compiled_loss, y_pred):
-    """(the batch's count of unmasked elements, of all its elements), float32, where the compiled loss is one mean
-    over one masked output (`sum_over_batch_size`, Keras' default: its value is the mean over the unmasked
-    elements, whatever the sample weights); else None."""
-    mask = _weighable_mask(compiled_loss, y_pred)
+def divisor(compiled_loss, y_pred, sample_weight=None):
+    """(what Keras divides the batch's loss by, the elements it weighs), float32, where the compiled loss is one
+    mean over one output and divides by other than its elements; else None. A mean over a masked output
+    (`sum_over_batch_size`, Keras' default, or `mean`) divides by its unmasked elements, whatever the sample weights;
+    `mean_with_sample_weight` by the sum of the sample weights times the mask, either alone (Keras' `apply_mask`)."""
+    flat, losses = tf.nest.flatten(y_pred), _losses_in(compiled_loss, _ANY)
+    if len(flat) != 1 or len(losses) != 1:
+        return None
+    mask, reduction = getattr(flat[0], "_keras_mask", None), losses[0].reduction
+    weights = tf.nest.flatten(sample_weight)
+    if mask is not None and reduction in ("sum_over_batch_size", "mean"):
+        weights = []  # Keras divides by the unmasked elements, whatever the sample weights.
+    elif reduction != "mean_with_sample_weight" or len(weights) > 1 or (mask is None and not weights):
+        return None
+    merged = _merged(weights[0] if weights else None, mask)
+    return tf.reduce_sum(merged), tf.cast(tf.size(merged), tf.float32)
+
+
+def _merged(sample_weight, mask):
+    """The sample weights times the mask (either alone), float32, as Keras' `apply_mask` merges them: of ranks one
+    apart, the longer loses its last axis where it is 1."""
+    if sample_weight is None:
+        return tf.cast(mask, tf.float32)
+    weights = tf.cast(sample_weight, tf.float32)
     if mask is None:
-        return None
-    return tf.reduce_sum(tf.cast(mask, tf.float32)), tf.cast(tf.size(mask), tf.float32)
-
-
-def _weighable_mask(compiled_loss, y_pred):
-    """The mask of `y_pred` where the compiled loss is one mean over that one output (see `unmasked`), else None."""
-    flat = tf.nest.flatten(y_pred)
-    mask = getattr(flat[0], "_keras_mask", None) if len(flat) == 1 else None
-    losses = _losses_in(compiled_loss, _ANY)
-    if mask is None or len(losses) != 1 or losses[0].reduction not in ("sum_over_batch_size", "mean"):
-        return None
-    return mask
+        return weights
+    mask = tf.cast(mask, tf.float32)
+    if mask.shape.rank == weights.shape.rank + 1 and mask.shape[-1] == 1:
+        mask = tf.squeeze(mask, -1)
+    elif weights.shape.rank == mask.shape.rank + 1 and weights.shape[-1] == 1:
+        weights = tf.squeeze(weights, -1)
+    return mask * weights
 
 
 def only_sums(compiled_loss):

@@ -227,17 +227,17 @@ class Steps:
     def _gradients_stage(self, batches, replica_share=None):
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
-        grads, losses, preds, unmasked = accumulate.replica_gradients(self, batches, replica_share)
+        grads, losses, preds, divisor = accumulate.replica_gradients(self, batches, replica_share)
         examples = crossing.examples_in(batches)
         each = examples[0] if len(batches) == 1 else tf.add_n(examples) / len(batches)  # The losses: as their mean's.
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-            if not accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
+            if not accumulate.logged_once(self.model, divisor, self.strategy.num_replicas_in_sync):
                 self._track_loss(loss, each, skip_non_finite=True)
             packed.update_metrics(self.model, x, y, y_pred, sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
-        return grads, tf.add_n(losses) / len(losses), unmasked
+        return grads, tf.add_n(losses) / len(losses), divisor
 
     def _unscale_and_check(self, grads):
         """(gradients with one row per index, their global norm unscaled, per-variable finiteness). One pass
@@ -275,8 +275,8 @@ class Steps:
         return grad_norm, finite
 
     def _compute_stage(self, batches, replica_share=None):
-        grads, loss, unmasked = self._gradients_stage(batches, replica_share)
-        return (*self._crossing.pack(grads, self.applied), loss, unmasked)
+        grads, loss, divisor = self._gradients_stage(batches, replica_share)
+        return (*self._crossing.pack(grads, self.applied), loss, divisor)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
         return self._apply_reduced(self._crossing.unpack(dense_flat, state_flat, sparse, self.applied))
@@ -365,15 +365,15 @@ class Steps:
         y_pred = keras_compat.call(self.model, x, training=False)
         sums_times = None if share is None else tf.math.divide_no_nan(1.0, share)  # Each sum whole once weighed.
         loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, False, 1, sums_times)
-        return y_pred, loss, accumulate.unmasked_on_replicas(self.model, y_pred, self.strategy)
+        return y_pred, loss, accumulate.divisor_on_replicas(self.model, y_pred, sample_weight, self.strategy)
 
     def _replica_test(self, batch):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         share = accumulate.replica_share(self.model, [batch], self.strategy.num_replicas_in_sync, by_shapes=False)
-        y_pred, loss, unmasked = self._forward(x, y, sample_weight, share)
+        y_pred, loss, divisor = self._forward(x, y, sample_weight, share)
         examples = crossing.examples(x)
-        if accumulate.logged_once(self.model, unmasked, self.strategy.num_replicas_in_sync):
-            loss, examples = accumulate.as_global(loss, examples, unmasked, self.strategy.num_replicas_in_sync)
+        if accumulate.logged_once(self.model, divisor, self.strategy.num_replicas_in_sync):
+            loss, examples = accumulate.as_global(loss, examples, divisor, self.strategy.num_replicas_in_sync)
         self._track_loss(loss, examples)
         packed.update_metrics(self.model, x, y, y_pred, sample_weight)
 
