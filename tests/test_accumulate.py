@@ -145,6 +145,19 @@ def test_a_mean_divided_by_its_weights_trains_as_one_batch_of_the_whole(mirrored
     np.testing.assert_allclose(logs["val_loss"], whole_logs["val_loss"], rtol=1e-5)
 
 
+def test_a_mean_divided_by_its_weights_keeps_its_magnitude_under_float16_loss_scaling(mirrored):
+    """A replica's one batch is weighed by its divisor after the backward pass, its loss left as Keras scales it
+    before: weighed by its weights' sum over its examples (4 here), the float16 gradients of the first updates
+    overflowed on 2 replicas where one device's did not, and 2 of 8 updates were skipped (weights 0.05 off)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    whole, model = weighted_model(tf.distribute.get_strategy()), weighted_model(mirrored)
+    for trained in (whole, model):
+        tfmp.fit(trained, weighted_data(8), epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == int(whole.optimizer.iterations.numpy()) == 8
+    for a, b in zip(model.weights, whole.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=5e-4)
+
+
 @pytest.mark.parametrize(
     "parts, weighted, outputs, said",
     [

@@ -29,7 +29,7 @@ def replica_gradients(steps, batches, replica_share=None):
     """
     model, n = steps.model, len(batches)
     parts = n > 1 or steps.strategy.num_replicas_in_sync > 1
-    grads, losses, preds, counts = None, [], [], []
+    grads, losses, preds, counts, reference = None, [], [], [], None
     for batch, share in zip(batches, shares(batches), strict=True):  # Unrolled: n is small.
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
         whole = share if replica_share is None else share * replica_share  # What weighs a sum, undone first.
@@ -39,9 +39,10 @@ def replica_gradients(steps, batches, replica_share=None):
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
             loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, True, n, sums_times)
             divisor = scalar_losses.divisor(keras_compat.compiled(model)[0], y_pred, sample_weight) if parts else None
-            if divisor is not None:  # Weighed by its share of the elements the first batch holds: near 1.
-                counts.append(divisor)
-                weighed = loss * tf.cast(tf.math.divide_no_nan(divisor[0], counts[0][1]), loss.dtype) / n
+            if divisor is not None:  # Weighed by its divisor over the first batch's: 1 for one batch, else near it.
+                reference = reference if counts else tf.where(divisor[0] > 0, divisor[0], divisor[1])  # Never 0.
+                counts.append(divisor[0])
+                weighed = loss * tf.cast(divisor[0] / reference, loss.dtype) / n
             elif isinstance(share, float):  # Batches of one size.
                 weighed = loss / n if n > 1 else loss
             else:  # Weighed by its share of the examples; kept as one of n losses whose mean is the update's.
@@ -61,8 +62,8 @@ def replica_gradients(steps, batches, replica_share=None):
         preds.append(y_pred)
     if not counts:
         return grads, losses, preds, None
-    total = tf.add_n([c for c, _ in counts])
-    return (*_mean_over_elements(steps, grads, losses, counts, total), preds, total)
+    total = tf.add_n(counts)
+    return (*_mean_over_elements(steps, grads, losses, counts, reference, total), preds, total)
 
 
 def shares(batches):
@@ -76,17 +77,17 @@ def shares(batches):
     return [tf.math.divide_no_nan(count, total) for count in counts]
 
 
-def _mean_over_elements(steps, grads, losses, counts, total):
+def _mean_over_elements(steps, grads, losses, counts, reference, total):
     """The gradients and losses of micro-batches weighed by their divisors (`total` of them: unmasked elements, or
     sample weights), as their mean over all of them."""
-    # The gradients: sum of (count / first batch's elements) x gradient / n; each batch's weight is count / total.
-    factor = tf.math.divide_no_nan(counts[0][1] * len(counts), total)
+    # The gradients: sum of (count / reference) x gradient / n; each batch's weight is count / total.
+    factor = tf.math.divide_no_nan(reference * len(counts), total)
     grads = [
         g if g is None or state else gradients.scale(g, factor)
         for g, state in zip(grads, steps._state, strict=True)  # noqa: SLF001
     ]
     # Each loss x its count x n / total: their mean is the mean over the elements.
-    weights = [tf.math.divide_no_nan(c * len(counts), total) for c, _ in counts]
+    weights = [tf.math.divide_no_nan(c * len(counts), total) for c in counts]
     return grads, [loss * tf.cast(w, loss.dtype) for loss, w in zip(losses, weights, strict=True)]
 
 
