@@ -145,6 +145,37 @@ def test_a_mean_divided_by_its_weights_trains_as_one_batch_of_the_whole(mirrored
     np.testing.assert_allclose(logs["val_loss"], whole_logs["val_loss"], rtol=1e-5)
 
 
+def test_class_weights_validation_without_weights_and_evaluate_with_them_as_on_one_device(mirrored):
+    """'mean_with_sample_weight' on 2 replicas, 37 examples in batches of 8: trained with class weights (sample
+    weights to Keras), validated on batches that have none (which once failed: None taken for a weight), then
+    evaluated with sample weights: the weights, every log and the evaluation as one device's, the evaluation as
+    `model.evaluate`'s."""
+    rng = np.random.default_rng(0)
+    x = rng.random((37, 8), dtype=np.float32)
+    y, w = (x.sum(1) > 4).astype(np.int64), rng.random(37).astype(np.float32) * 3
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="mean_with_sample_weight")
+    fit = {"batch_size": 8, "epochs": 2, "class_weight": {0: 3.0, 1: 0.5}, "shuffle": False, "validation_split": 0.3}
+    results = []
+    for strategy in (mirrored, tf.distribute.get_strategy()):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)]
+            )
+            model.compile(keras.optimizers.SGD(0.1), loss, metrics=["accuracy"])
+        logs = tfmp.fit(model, x, y, verbose=0, **fit).history
+        results.append((model, logs, tfmp.evaluate(model, x, y, sample_weight=w, batch_size=8, return_dict=True)))
+    (model, logs, evaluated), (one, one_logs, one_evaluated) = results
+    for a, b in zip(model.weights, one.weights, strict=True):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=2e-7)
+    assert logs.keys() == one_logs.keys()
+    for key in logs:
+        np.testing.assert_allclose(logs[key], one_logs[key], rtol=1e-5, err_msg=key)
+    expected = one.evaluate(x, y, sample_weight=w, batch_size=8, verbose=0, return_dict=True)
+    assert evaluated == pytest.approx(one_evaluated, rel=1e-5)
+    assert evaluated == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_mean_divided_by_its_weights_keeps_its_magnitude_under_float16_loss_scaling(mirrored):
     """A replica's one batch is weighed by its divisor after the backward pass, its loss left as Keras scales it
     before: weighed by its weights' sum over its examples (4 here), the float16 gradients of the first updates

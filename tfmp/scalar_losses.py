@@ -133,7 +133,7 @@ def divisor(compiled_loss, y_pred, sample_weight=None):
     if len(flat) != 1 or len(losses) != 1:
         return None
     mask, reduction = getattr(flat[0], "_keras_mask", None), losses[0].reduction
-    weights = tf.nest.flatten(sample_weight)
+    weights = [w for w in tf.nest.flatten(sample_weight) if w is not None]  # (None flattens to [None].)
     if mask is not None and reduction in ("sum_over_batch_size", "mean"):
         weights = []  # Keras divides by the unmasked elements, whatever the sample weights.
     elif reduction != "mean_with_sample_weight" or len(weights) > 1 or (mask is None and not weights):
