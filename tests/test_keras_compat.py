@@ -171,6 +171,19 @@ def test_compute_loss_of_the_models_own_is_its_replicas_share_on_replicas(mirror
     assert keras.src.losses.loss.scale_loss_for_distribution is original
 
 
+def test_compute_loss_weighs_each_outputs_logged_loss_as_one_batch_or_by_its_share():
+    """Keras' per-output loss trackers are the compiled loss's `metrics`, updated with `sample_weight` the batch's
+    static size (4; the first call builds them); while tfmp computes the loss a batch counts 1, or its `share`."""
+    model = keras.Model(inputs := keras.Input((4,)), {name: keras.layers.Dense(1, name=name)(inputs) for name in "ab"})
+    model.compile("sgd", {"a": "mse", "b": "mse"})
+    x, y = np.ones((4, 4), "float32"), {name: np.zeros((4, 1), "float32") for name in "ab"}
+    for share in (None, None, tf.constant(0.5)):
+        keras_compat.compute_loss(model, x, y, model(x), None, training=True, share=share)
+    assert keras_compat.logs_per_output(model) and not keras_compat.logs_per_output(_compiled_model())
+    counts = [(float(t.count), "update_state" in vars(t)) for t in model._compile_loss.metrics]  # noqa: SLF001
+    assert counts == [(5.5, False), (5.5, False)]  # Keras' 4 for the first, 1, then 0.5; its own method back.
+
+
 def test_slots_are_the_optimizers_own():
     variable = keras.Variable(np.ones(3, "float32"))
     adam = keras.optimizers.Adam(0.1)

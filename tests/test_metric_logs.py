@@ -4,6 +4,7 @@ per class), each entry of a metric's dict result on its own."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from conftest import regression_arrays, seeded
 
 import tfmp
@@ -82,3 +83,28 @@ def test_entries_compute_metrics_adds_are_said_not_to_be_logged(caplog):
     history = tfmp.fit(model, x, y, batch_size=32, verbose=0)
     assert set(history.history) == {"loss", "mae"}
     assert "compute_metrics returns prediction_mean beside its metrics' results" in caplog.text
+
+
+def test_each_outputs_loss_is_logged_as_model_fit_logs_it_where_the_last_batch_is_smaller():
+    """Two outputs, 35 examples in batches of 8 (the last of 3): each output's loss (`a_loss`, `val_a_loss`) is
+    the mean of the batches' values, as model.fit and model.evaluate log it. Keras weighs each by the batch's
+    static size, which tfmp's evaluation step knows for all but the last: val_a_loss was 0.676, not 0.626."""
+    x = np.random.default_rng(0).random((35, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, {"a": x[:, :1], "b": x.sum(1, keepdims=True) / 8})).batch(8)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(4, activation="relu")(inputs)
+        model = keras.Model(inputs, {name: keras.layers.Dense(1, name=name)(hidden) for name in "ab"})
+        model.compile(keras.optimizers.SGD(0.01), {"a": keras.losses.MeanSquaredError(reduction="sum"), "b": "mse"})
+        return model
+
+    ours, theirs = build(), build()
+    logs = tfmp.fit(ours, data, epochs=2, validation_data=data, jit_compile=False, verbose=0).history
+    expected = theirs.fit(data, epochs=2, validation_data=data, verbose=0).history
+    assert logs.keys() == expected.keys()
+    for key in logs:
+        np.testing.assert_allclose(logs[key], expected[key], rtol=1e-6, err_msg=key)
+    evaluated = tfmp.evaluate(ours, data, return_dict=True)
+    assert evaluated == pytest.approx(theirs.evaluate(data, verbose=0, return_dict=True), rel=1e-6)

@@ -37,7 +37,7 @@ def replica_gradients(steps, batches, replica_share=None):
         with tf.GradientTape() as tape, rng.per_replica(steps.strategy):  # Dropout: a mask per replica.
             y_pred = keras_compat.call(model, x, training=True)
             # A mean over the global batch (Keras divides a replica's mean by the replicas); regularization once.
-            loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, True, n, sums_times)
+            loss = keras_compat.compute_loss(model, x, y, y_pred, sample_weight, True, n, sums_times, replica_share)
             divisor = scalar_losses.divisor(keras_compat.compiled(model)[0], y_pred, sample_weight) if parts else None
             if divisor is not None:  # Weighed by its divisor over the first batch's: 1 for one batch, else near it.
                 reference = reference if counts else tf.where(divisor[0] > 0, divisor[0], divisor[1])  # Never 0.
@@ -108,12 +108,16 @@ def divisor_on_replicas(model, y_pred, sample_weight, strategy):
 
 def replica_share(model, batches, replicas, by_shapes=True):
     """This replica's examples x replicas / the global batch's (1 where the split is even), where the compiled losses
-    mix "sum" and mean reductions and the batches can split unevenly, else None. `crossing.weigh_by_share` weighs
-    the whole loss by it, which makes each replica's mean part of the global mean; counted before the losses, it
-    lets each sum be divided by it first, so that it counts whole (weighed after, the sums of a last batch split 2
-    and 1 were off: weights 3.3e-3 from one device's after 2 epochs). `by_shapes` False: even where the sizes are
-    static (an evaluation step can be traced with one replica's batch static and another's not)."""
-    mixed = scalar_losses.mixes_sums(keras_compat.compiled(model)[0])
+    mix "sum" and mean reductions, or are several (each logged, as `a_loss`) and not all sums, and the batches can
+    split unevenly, else None. `crossing.weigh_by_share` weighs the whole loss by it, which makes each replica's
+    mean part of the global mean; counted before the losses, it lets each sum be divided by it first, so that it
+    counts whole (weighed after, the sums of a last batch split 2 and 1 were off: weights 3.3e-3 from one device's
+    after 2 epochs), and weighs each replica's per-output losses in their logs (each replica's weighed alike, the
+    last batch's 2 and 1 made `a_loss` 0.7% off one device's). `by_shapes` False: even where the sizes are static
+    (an evaluation step can be traced with one replica's batch static and another's not)."""
+    compiled_loss = keras_compat.compiled(model)[0]
+    mixed = scalar_losses.mixes_sums(compiled_loss)
+    mixed = mixed or (keras_compat.logs_per_output(model) and not scalar_losses.only_sums(compiled_loss))
     if replicas == 1 or not mixed or (by_shapes and not crossing.sizes_vary(batches)):
         return None
     return crossing.share_of(tf.add_n(crossing.examples_in(batches)), replicas)

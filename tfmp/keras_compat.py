@@ -12,9 +12,9 @@ holds the state of (`Saveable`: tfmp.bf16's Kahan buffers). The uses of TensorFl
 tfmp.tf_compat.
 
 Besides these, tfmp overrides hooks Keras calls: `LossScaleOptimizer._tf_apply` (tfmp.loss_scale), a model's
-`_aggregate_additional_loss`, its compiled losses' `call` and, for a `compute_loss` of the model's own on replicas,
-Keras' 1/replicas on each loss while `compute_loss` runs (the losses layers add, in float32; tfmp.scalar_losses);
-tests/test_loss_scale.py and test_scalar_losses.py cover them.
+`_aggregate_additional_loss`, its compiled losses' `call`, its per-output loss trackers' `update_state` and, for a
+`compute_loss` of the model's own on replicas, Keras' 1/replicas on each loss while `compute_loss` runs (the losses
+layers add, in float32; tfmp.scalar_losses); tests/test_loss_scale.py and test_scalar_losses.py cover them.
 """
 
 import contextlib
@@ -40,7 +40,7 @@ def compiled(model):
     return getattr(model, "_compile_loss", None), getattr(model, "_compile_metrics", None)
 
 
-def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1, sums_times=None):
+def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1, sums_times=None, share=None):
     """The loss `model.fit` minimizes: compiled losses with their weights and sample weights, each a mean over
     the global batch under a strategy (one returning a scalar too: tfmp.scalar_losses), plus regularization.
 
@@ -70,6 +70,7 @@ def compute_loss(model, x, y, y_pred, sample_weight, training, micro_batches=1, 
     try:
         with (
             _unscaled(own),
+            _batches_alike(compiled(model)[0], share),
             scalar_losses.one_per_example(compiled(model)[0], y_pred, micro_batches, sums_times, sample_weight),
         ):
             loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training)  # noqa: SLF001
@@ -100,6 +101,33 @@ def _unscaled(active):
         yield
     finally:
         loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution = saved
+
+
+def logs_per_output(model):
+    """Whether Keras logs each compiled loss apart (`a_loss`, `b_loss`: there are several)."""
+    return len(getattr(compiled(model)[0], "metrics", None) or []) > 1
+
+
+@contextlib.contextmanager
+def _batches_alike(compiled_loss, share=None):
+    """While it runs, Keras' per-output loss trackers (`a_loss`, where there are several compiled losses) weigh each
+    batch's value as one, as `model.fit` does where the batch size is not static (a dataset's), or, on a replica,
+    by its `share` of the global batch (`tfmp.accumulate.replica_share`), so that the replicas' parts weigh one.
+    Keras weighs it by that static size, which tfmp's evaluation step knows for every batch but an epoch's last:
+    35 examples in batches of 8 weighed 8, 8, 8, 8 and 1, and val_a_loss was 0.676 where model.evaluate's is
+    0.626."""
+    trackers = list(getattr(compiled_loss, "metrics", None) or [])
+    for tracker in trackers:  # Past Keras' tracking; this call only.
+        object.__setattr__(tracker, "update_state", _as_one_batch(tracker.update_state, share))
+    try:
+        yield
+    finally:
+        for tracker in trackers:
+            tracker.__dict__.pop("update_state", None)
+
+
+def _as_one_batch(update_state, share):
+    return lambda values, sample_weight=None: update_state(values, sample_weight=share)
 
 
 def results_in_order(model, logs):

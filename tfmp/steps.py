@@ -364,7 +364,7 @@ class Steps:
     def _replica_forward(self, x, y, sample_weight, share=None):
         y_pred = keras_compat.call(self.model, x, training=False)
         sums_times = None if share is None else tf.math.divide_no_nan(1.0, share)  # Each sum whole once weighed.
-        loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, False, 1, sums_times)
+        loss = keras_compat.compute_loss(self.model, x, y, y_pred, sample_weight, False, 1, sums_times, share)
         return y_pred, loss, accumulate.divisor_on_replicas(self.model, y_pred, sample_weight, self.strategy)
 
     def _replica_test(self, batch):
