@@ -113,7 +113,7 @@ def replica_share(model, batches, replicas, by_shapes=True):
     mean part of the global mean; counted before the losses, it lets each sum be divided by it first, so that it
     counts whole (weighed after, the sums of a last batch split 2 and 1 were off: weights 3.3e-3 from one device's
     after 2 epochs), and weighs each replica's per-output losses in their logs (each replica's weighed alike, the
-    last batch's 2 and 1 made `a_loss` 0.7% off one device's). `by_shapes` False: even where the sizes are static
+    last batch's 2 and 1 put `a_loss` 0.7-6% off one device's). `by_shapes` False: even where the sizes are static
     (an evaluation step can be traced with one replica's batch static and another's not)."""
     compiled_loss = keras_compat.compiled(model)[0]
     mixed = scalar_losses.mixes_sums(compiled_loss)
