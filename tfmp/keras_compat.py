@@ -105,7 +105,12 @@ def _unscaled(active):
 
 def logs_per_output(model):
     """Whether Keras logs each compiled loss apart (`a_loss`, `b_loss`: there are several)."""
-    return len(getattr(compiled(model)[0], "metrics", None) or []) > 1
+    return len(_loss_trackers(compiled(model)[0])) > 1
+
+
+def _loss_trackers(compiled_loss):
+    """Keras' per-output loss trackers (its `Mean`s, where there are several compiled losses), or []."""
+    return list(getattr(compiled_loss, "metrics", None) or [])
 
 
 @contextlib.contextmanager
@@ -116,7 +121,7 @@ def _batches_alike(compiled_loss, share=None):
     Keras weighs it by that static size, which tfmp's evaluation step knows for every batch but an epoch's last:
     35 examples in batches of 8 weighed 8, 8, 8, 8 and 1, and val_a_loss was 0.676 where model.evaluate's is
     0.626."""
-    trackers = list(getattr(compiled_loss, "metrics", None) or [])
+    trackers = _loss_trackers(compiled_loss)
     for tracker in trackers:  # Past Keras' tracking; this call only.
         object.__setattr__(tracker, "update_state", _as_one_batch(tracker.update_state, share))
     try:

@@ -39,7 +39,7 @@ def one_per_example(compiled_loss, y_pred=None, micro_batches=1, sums_times=None
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     parts = (replicas > 1 or micro_batches > 1) and compiled_loss not in _warned
     by_weights = sample_weight is not None and _losses_in(compiled_loss, ("mean_with_sample_weight",))
-    if parts and by_weights and divisor(compiled_loss, y_pred, sample_weight) is None:
+    if parts and by_weights and _divided_by(compiled_loss, y_pred, sample_weight) is None:
         _warned.add(compiled_loss)
         logging.warning(
             "a loss of reduction 'mean_with_sample_weight' divides each of %d replicas x %d accumulated batches by "
@@ -115,7 +115,8 @@ def masked_mean(compiled_loss, y_pred, sample_weight=None):
     unmasked elements, each replica and each accumulated micro-batch divides by its own count, and their means weigh
     equally, where one update on the whole batch (one device's) weighs each element equally."""
     masked = any(getattr(t, "_keras_mask", None) is not None for t in tf.nest.flatten(y_pred))
-    return masked and bool(_losses_in(compiled_loss, _MEANS)) and divisor(compiled_loss, y_pred, sample_weight) is None
+    means = masked and bool(_losses_in(compiled_loss, _MEANS))
+    return means and _divided_by(compiled_loss, y_pred, sample_weight) is None
 
 
 def mixes_sums(compiled_loss):
@@ -129,6 +130,16 @@ def divisor(compiled_loss, y_pred, sample_weight=None):
     mean over one output and divides by other than its elements; else None. A mean over a masked output
     (`sum_over_batch_size`, Keras' default, or `mean`) divides by its unmasked elements, whatever the sample weights;
     `mean_with_sample_weight` by the sum of the sample weights times the mask, either alone (Keras' `apply_mask`)."""
+    summed = _divided_by(compiled_loss, y_pred, sample_weight)
+    if summed is None:
+        return None
+    merged = _merged(*summed)
+    return tf.reduce_sum(merged), tf.cast(tf.size(merged), tf.float32)
+
+
+def _divided_by(compiled_loss, y_pred, sample_weight):
+    """(the sample weights or None, the mask or None) whose product `divisor` sums, where it applies, else None:
+    the check alone, without building an op (`masked_mean` and the warnings ask only whether it applies)."""
     flat, losses = tf.nest.flatten(y_pred), _losses_in(compiled_loss, _ANY)
     if len(flat) != 1 or len(losses) != 1:
         return None
@@ -138,8 +149,7 @@ def divisor(compiled_loss, y_pred, sample_weight=None):
         weights = []  # Keras divides by the unmasked elements, whatever the sample weights.
     elif reduction != "mean_with_sample_weight" or len(weights) > 1 or (mask is None and not weights):
         return None
-    merged = _merged(weights[0] if weights else None, mask)
-    return tf.reduce_sum(merged), tf.cast(tf.size(merged), tf.float32)
+    return weights[0] if weights else None, mask
 
 
 def _merged(sample_weight, mask):
