@@ -116,9 +116,9 @@ def replica_share(model, batches, replicas, by_shapes=True):
     last batch's 2 and 1 put `a_loss` 0.7-6% off one device's). `by_shapes` False: even where the sizes are static
     (an evaluation step can be traced with one replica's batch static and another's not)."""
     compiled_loss = keras_compat.compiled(model)[0]
-    mixed = scalar_losses.mixes_sums(compiled_loss)
-    mixed = mixed or (keras_compat.logs_per_output(model) and not scalar_losses.only_sums(compiled_loss))
-    if replicas == 1 or not mixed or (by_shapes and not crossing.sizes_vary(batches)):
+    weighed = scalar_losses.mixes_sums(compiled_loss)
+    weighed = weighed or (keras_compat.logs_per_output(model) and not scalar_losses.only_sums(compiled_loss))
+    if replicas == 1 or not weighed or (by_shapes and not crossing.sizes_vary(batches)):
         return None
     return crossing.share_of(tf.add_n(crossing.examples_in(batches)), replicas)
 
