@@ -1,11 +1,13 @@
 """tfmp.fit's step called with its inputs flattened once (`tfmp.calls.Direct`): taken on one
 device and under a strategy, with XLA and without, to the same bits as the ordinary call."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
 
+import tfmp
 from tfmp import calls
 
 
@@ -47,3 +49,39 @@ def test_a_call_a_gradient_tape_may_record_goes_through_tf_function():
     assert float(value) == 3.0 and ordinary == [iterator]
     assert float(tape.gradient(value, scale)) == 1.0  # The tape saw the variable's read.
     assert float(call()) == 6.0 and len(ordinary) == 1
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_evaluation_called_directly_gives_the_same_bits(replicas, jit_compile, mirrored, monkeypatch):
+    """37 examples in batches of 8 (the last of 5, split 3 and 2 on 2 replicas): tfmp.evaluate's step called on
+    each batch's flattened tensors (`calls.OfBatches`) gives the logs the ordinary call gives, to the bit."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    x = np.random.default_rng(0).random((37, 8), dtype=np.float32)
+    made = []
+
+    class Recorded(calls.OfBatches):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(calls, "OfBatches", Recorded)
+
+    def evaluate():
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            layers = [keras.Input((8,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)]
+            model = keras.Sequential(layers)
+            model.compile("sgd", "mse", metrics=["mae"])
+        made.clear()
+        logs = tfmp.evaluate(
+            model, x, x[:, :1], batch_size=8, strategy=strategy, jit_compile=jit_compile, return_dict=True, verbose=0
+        )
+        return logs, [call.direct for call in made]
+
+    direct, kept = evaluate()
+    assert kept == [True]
+    monkeypatch.setattr(calls, "_flat_inputs", lambda *_: None)
+    ordinary, kept = evaluate()
+    assert kept == [False]
+    assert direct == ordinary

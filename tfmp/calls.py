@@ -9,6 +9,11 @@ variables may have, are still read at each call, as TensorFlow reads them). On a
 300-variable model's step of 2.5-7 ms (an Intel Xeon with AMX, 2 cores) that saves
 0.25-0.6 ms a call, with XLA and without (DECISIONS.md).
 
+An evaluation's step takes a batch, not an iterator: `OfBatches` calls it the same way, the
+batch's tensors flattened at each call, the captures once (on the same model, 300 batches:
+1.46x `model.evaluate`'s speed without XLA, 1.63x with it, where the ordinary call gave 1.07x
+and 1.09x; an AMD EPYC Zen 4, 2 cores).
+
 The flattening goes through TensorFlow's own functions (present from TensorFlow 2.18 on).
 Where they are missing or a gradient tape could record the call, `Direct` calls the
 concrete function as usual; the bits are the same either way.
@@ -88,11 +93,48 @@ class Direct:
         """Whether calls skip `tf.function`'s argument handling."""
         return self._inference is not None
 
+    def arguments_are(self, tensors):
+        """Whether `tensors` are, in order, the arguments the traced function takes (besides its captures)."""
+        if len(tensors) != len(self._arguments):
+            return False
+        return all(a is b for a, b in zip(tensors, self._arguments, strict=True))
+
+    def with_arguments(self, tensors):
+        """The traced function called on `tensors` (in the order `arguments_are` checked) and the captures."""
+        captures = self._gather([]) if self._deferred else self._inputs[len(self._arguments) :]
+        return self._inference.call_preflattened([*tensors, *captures])
+
     def __call__(self):
         if self._inference is None or record.could_possibly_record() or not tf.executing_eagerly():
             return self.concrete(self.iterator)
         inputs = self._gather(self._arguments) if self._deferred else self._inputs
         return self._inference.call_preflattened(inputs)
+
+
+class OfBatches:
+    """`function(batch)` for the batches of one `spec` (a dataset's element_spec), each call handing the batch's
+    tensors and the captures flattened once to the function traced for the spec, as `Direct` does: the per-batch
+    call of an evaluation skips tf.function's cache lookup, which hashes every captured variable. Where the spec
+    is None, the first batch's flattening is not the traced function's own, or a tape could record the call, it
+    calls `function(batch)`; the bits are the same either way."""
+
+    def __init__(self, function, spec):
+        self.function, self.spec, self._call = function, spec, None
+
+    @property
+    def direct(self):
+        """Whether calls skip `tf.function`'s argument handling (known after the first call)."""
+        return isinstance(self._call, Direct) and self._call.direct
+
+    def __call__(self, batch):
+        if self._call is None:
+            self._call = self.function
+            if self.spec is not None:
+                direct = Direct(self.function.get_concrete_function(self.spec), batch)
+                self._call = direct if direct.direct and direct.arguments_are(_flatten(batch)) else self.function
+        if self._call is self.function or record.could_possibly_record() or not tf.executing_eagerly():
+            return self.function(batch)
+        return self._call.with_arguments(_flatten(batch))
 
 
 def single_threaded(call):

@@ -55,8 +55,7 @@ class Steps:
             where the update keeps them sparse too); False densifies them first.
         fused_updates: update with one kernel per variable where `tfmp.fused` can (Adam, AdamW, SGD; not on
             TPUs); False keeps Keras' element-wise update (Adafactor's repaired either way: `tfmp.adafactor`).
-        bf16_rounding: how bfloat16 weights are written back after each float32 update (`tfmp.bf16`): kahan,
-            stochastic or nearest.
+        bf16_rounding: how bfloat16 weights take each float32 update (`tfmp.bf16`): kahan, stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
         grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`, `finite`).
             False where nothing reads them (`tfmp.fit` without a log_dir): no pass over the gradients for them
@@ -119,8 +118,7 @@ class Steps:
         replicas run two per replica, around the one thing XLA cannot hold there, the cross-replica sum: forward
         and backward, packing every dense gradient into one vector; then, after the all-reduce of that vector
         (and one all-gather of the float8 state), the rest of the update. Either way the ops run outside XLA
-        per step do not grow with the model's variables.
-        """
+        per step do not grow with the model's variables."""
         jit_compile = bool(jit_compile)
         if getattr(self, "_one", None) is not None:
             if self.jit_compile == jit_compile:
@@ -390,10 +388,12 @@ class Steps:
             dataset = dataset.take(steps) if steps else dataset
             if self.strategy.num_replicas_in_sync > 1 or distribute.num_workers(self.strategy) > 1:
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
+        test = calls.OfBatches(self._test, getattr(dataset, "element_spec", None))  # (Called directly.)
         for i, batch in enumerate(itertools.islice(dataset, steps or None)):  # Not a batch past `steps` read.
             callbacks.on_test_batch_begin(i)
-            if self._first_call(self._test, batch) is _FAILED:
-                self._test(batch)  # XLA failed to compile: the same batch without it.
+            if self._first_call(test, batch) is _FAILED:  # XLA failed to compile: the same batch without it.
+                test = calls.OfBatches(self._test, test.spec)
+                test(batch)
             callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
             if self.model.stop_evaluating:
                 break
