@@ -115,6 +115,14 @@ def test_norm_costs_time_per_gradient_against_grouped_and_keras():
     assert gradients.GROUPED is None  # Back to the rule.
 
 
+def test_evaluation_costs_time_tfmp_evaluate_against_model_evaluate(capsys):
+    off, on = micro.evaluation_costs(rounds=2, layers=3, batches=4)
+    assert (off["xla"], on["xla"]) == (False, True)
+    for cell in (off, on):
+        assert cell["tfmp_ms_per_batch"] > 0 and cell["keras_ms_per_batch"] > 0 and len(cell["speedup_rounds"]) == 2
+    assert "evaluation cost, XLA on: tfmp.evaluate" in capsys.readouterr().out
+
+
 def test_update_times_keras_against_fused():
     update = micro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0

@@ -10,9 +10,9 @@ variables may have, are still read at each call, as TensorFlow reads them). On a
 0.25-0.6 ms a call, with XLA and without (DECISIONS.md).
 
 An evaluation's step takes a batch, not an iterator: `OfBatches` calls it the same way, the
-batch's tensors flattened at each call, the captures once (on the same model, 300 batches:
-1.46x `model.evaluate`'s speed without XLA, 1.63x with it, where the ordinary call gave 1.07x
-and 1.09x; an AMD EPYC Zen 4, 2 cores).
+batch's tensors flattened at each call, the captures once (on the same model, an AMD EPYC
+Zen 4: 1.3-1.9x `model.evaluate`'s speed, where the ordinary call gave 0.7-1.1x;
+`tfmp.bench.micro.evaluation_costs`, BENCHMARKS.md).
 
 The flattening goes through TensorFlow's own functions (present from TensorFlow 2.18 on).
 Where they are missing or a gradient tape could record the call, `Direct` calls the

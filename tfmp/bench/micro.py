@@ -1,6 +1,7 @@
-"""The benchmark's small measurements: each training loop's own cost per step, the norm's
-reductions per gradient or one a shape, the Adam update (Keras' element-wise ops against
-tfmp's fused kernels), and the transformer step with its embedding gradient dense or sparse."""
+"""The benchmark's small measurements: each training loop's own cost per step, evaluation's
+per batch, the norm's reductions per gradient or one a shape, the Adam update (Keras'
+element-wise ops against tfmp's fused kernels), and the transformer step with its embedding
+gradient dense or sparse."""
 
 import functools
 import math
@@ -11,7 +12,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fused, gradients, inputs, loop, precision, steps, timing
+from tfmp import evaluation, fused, gradients, inputs, loop, precision, steps, timing
 from tfmp.app import models
 from tfmp.bench import lockstep, realsize
 from tfmp.bench.runs import FitRunner
@@ -91,6 +92,41 @@ def loop_costs(rounds, layers=150, steps_per_turn=30, say=print):
                 )
     geomean = math.exp(statistics.fmean(math.log(c["speedup"]) for c in cells))
     return {"rounds": rounds, "layers": layers, "variables": 2 * layers, "cells": cells, "geomean": geomean, **machine}
+
+
+def evaluation_costs(rounds=7, layers=150, batches=300, say=print):
+    """Seconds of tfmp.evaluate and of model.evaluate over `batches` batches of 32 on `loop_costs`' MLP, float32,
+    XLA off and on, the two called in turn `rounds` times (the other first every other round); a cell's speed is
+    the median of the per-round ratios (Keras' seconds over tfmp's). Where the per-batch call shows:
+    `tfmp.calls.OfBatches`."""
+    say(f"evaluation cost on {precision.device_name()}: {rounds} alternating rounds a cell, {batches} batches")
+    rng, cells = np.random.default_rng(0), []
+    x = rng.random((32 * batches, 16), dtype=np.float32)
+    dataset = tf.data.Dataset.from_tensor_slices((x, rng.integers(0, 10, len(x)))).batch(32).cache()
+    for xla_on in (False, True):
+        keras.backend.clear_session()
+        model = _mlp(layers)
+        model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"], jit_compile=xla_on)
+        runs = {
+            "keras": functools.partial(model.evaluate, dataset, verbose=0),
+            "tfmp": functools.partial(evaluation.evaluate, model, dataset, jit_compile=xla_on, verbose=0),
+        }
+        times = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # Trace, compile, fill the cache.
+        for round_index in range(rounds):
+            for name, run in timing.in_turn(runs, round_index):
+                times[name].append(1.0 / _calls_per_second(run, 1))
+        ratios = [k / t for k, t in zip(times["keras"], times["tfmp"], strict=True)]
+        cell = {"xla": xla_on, **{f"{n}_ms_per_batch": 1e3 * statistics.median(t) / batches for n, t in times.items()}}
+        cells.append({**cell, "speedup": statistics.median(ratios), "speedup_rounds": ratios})
+        say(
+            f"evaluation cost, XLA {'on' if xla_on else 'off'}: tfmp.evaluate {cell['tfmp_ms_per_batch']:.2f} ms, "
+            f"model.evaluate {cell['keras_ms_per_batch']:.2f} ms a batch ({statistics.median(ratios):.2f}x; rounds "
+            + ", ".join(f"{r:.2f}" for r in ratios)
+            + ")"
+        )
+    return cells
 
 
 def norm_costs(rounds=5, layers=150, steps_per_turn=30, jit_compile=False, policies=LOOP_POLICIES, say=print):
