@@ -108,3 +108,32 @@ def test_each_outputs_loss_is_logged_as_model_fit_logs_it_where_the_last_batch_i
         np.testing.assert_allclose(logs[key], expected[key], rtol=1e-6, err_msg=key)
     evaluated = tfmp.evaluate(ours, data, return_dict=True)
     assert evaluated == pytest.approx(theirs.evaluate(data, verbose=0, return_dict=True), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("loop", "replicas", "jit_compile"),
+    [("evaluate", 1, False), ("fit", 1, False), ("evaluate", 2, True), ("fit", 2, True)],
+)
+def test_elements_holding_none_train_and_evaluate_a_model_not_yet_built(mirrored, loop, replicas, jit_compile):
+    """Elements `(x, y, None)` (a dataset mapped to give no sample weight) on a model whose metrics are not yet
+    built: the logs of model.evaluate and model.fit on one device, on one device and on two replicas, with XLA
+    and without. tfmp's build read a shape from the None's spec and failed."""
+    x, y = regression_arrays(64)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).map(lambda x, y: (x, y, None))
+
+    @seeded
+    def build():
+        model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse", metrics=["mae"])
+        return model
+
+    ours, theirs = build(mirrored if replicas == 2 else None), build()
+    if loop == "evaluate":
+        got = tfmp.evaluate(ours, data, return_dict=True, verbose=0, jit_compile=jit_compile)
+        expected = theirs.evaluate(data, return_dict=True, verbose=0)
+    else:
+        got = tfmp.fit(ours, data, epochs=2, jit_compile=jit_compile, verbose=0).history
+        expected = theirs.fit(data, epochs=2, verbose=0).history
+    assert got.keys() == expected.keys()
+    for key in got:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)

@@ -31,8 +31,15 @@ from tfmp.errors import UsageError
 
 
 def symbolic_build(model, element_spec):
-    """Builds `model`, its compiled loss and metrics and its optimizer from a data spec, as `model.fit` does."""
-    model._symbolic_build(data_batch=element_spec)  # noqa: SLF001
+    """Builds `model`, its compiled loss and metrics and its optimizer from a data spec, as `model.fit` does.
+    A None in the elements (`map(lambda x, y: (x, y, None))`) is None here, as in the batch `model.fit` builds
+    from: Keras' build reads a shape of each spec, and a NoneTensorSpec has none."""
+    batch = tf.nest.map_structure(lambda spec: None if _holds_none(spec) else spec, element_spec)
+    model._symbolic_build(data_batch=batch)  # noqa: SLF001
+
+
+def _holds_none(spec):
+    return type(spec).__name__ == "NoneTensorSpec"  # TensorFlow's spec of a None, not exported.
 
 
 def compiled(model):
