@@ -141,7 +141,7 @@ def fit(
             packed gradient vector. "auto": where the model's `compile(jit_compile=...)`
             chose otherwise than Keras' own "auto" would, that choice, as `model.fit`
             takes it; else a rule, the same every run: on GPUs and TPUs; on CPUs only
-            for float16 compute (measured: BENCHMARKS.md).
+            for float16 compute or emulated bfloat16 (measured: BENCHMARKS.md).
             "autotune" measures both ways before training (alternating rounds, up to
             15 s, said before they run) and keeps XLA only where it is clearly faster;
             the choice is recorded in the run's directory (`log_dir`, else
