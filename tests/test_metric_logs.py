@@ -116,8 +116,8 @@ def test_each_outputs_loss_is_logged_as_model_fit_logs_it_where_the_last_batch_i
 )
 def test_elements_holding_none_train_and_evaluate_a_model_not_yet_built(mirrored, loop, replicas, jit_compile):
     """Elements `(x, y, None)` (a dataset mapped to give no sample weight) on a model whose metrics are not yet
-    built: the logs of model.evaluate and model.fit on one device, on one device and on two replicas, with XLA
-    and without. tfmp's build read a shape from the None's spec and failed."""
+    built: the logs model.evaluate and model.fit give on one device, from tfmp on one device and on two
+    replicas, with XLA and without. tfmp's build read a shape from the None's spec and failed."""
     x, y = regression_arrays(64)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).map(lambda x, y: (x, y, None))
 

@@ -10,7 +10,7 @@ import tiny
 from conftest import GPUS
 
 import tfmp
-from tfmp import calls, loop, tf_compat, xla
+from tfmp import calls, cpuinfo, loop, tf_compat, xla
 from tfmp.errors import UsageError
 
 
@@ -187,7 +187,7 @@ def test_auto_turns_xla_on_for_bfloat16_compute_only_where_the_cpu_emulates_it(m
     """Without bfloat16 instructions (an AMD EPYC Zen 3) TensorFlow emulates bfloat16 op by op, and XLA ran the
     bundled models' mixed_bfloat16 steps 2.8-8.4x faster there; with them, XLA stays off as in float32."""
     monkeypatch.setattr(xla, "measure", lambda *_: pytest.fail("auto timed the step"))
-    monkeypatch.setattr(xla.cpuinfo, "bf16_flags", lambda: flags)
+    monkeypatch.setattr(cpuinfo, "bf16_flags", lambda: flags)
     keras.config.set_dtype_policy("mixed_bfloat16")
     history = tfmp.fit(tiny_regression(), regression_data(), epochs=1, verbose=0)
     assert history.params["jit_compile"] is (not flags)

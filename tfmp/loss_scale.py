@@ -5,7 +5,7 @@ import tensorflow as tf
 from absl import logging
 from keras import ops
 
-from tfmp import keras_compat, keras_optimizers, precision, tf_compat
+from tfmp import keras_optimizers, precision, tf_compat
 from tfmp.errors import UsageError
 
 
@@ -81,7 +81,7 @@ def needs_loss_scaling(model=None):
     """Whether any layer of `model` computes in float16 (without a model: the global policy)."""
     if model is None:
         return precision.compute_dtype() == "float16"  # float16 is the one that needs a loss scale.
-    return any(layer.compute_dtype == "float16" for layer in [model, *keras_compat.sublayers(model)])
+    return precision.computes_in(model, "float16")
 
 
 def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=None):

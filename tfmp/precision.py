@@ -103,6 +103,11 @@ def bfloat16_is_emulated(hardware=None):
     return not (hardware.tpu or hardware.gpu_capability is not None or hardware.cpu_flags)
 
 
+def computes_in(model, dtype):
+    """Whether `model` or any layer inside it computes in `dtype`."""
+    return any(layer.compute_dtype == dtype for layer in [model, *keras_compat.sublayers(model)])
+
+
 def _emulated_bfloat16_warning(hardware, policy="mixed_bfloat16"):
     """The warning for bfloat16 compute asked for on a CPU that has no bfloat16 instructions."""
     if not bfloat16_is_emulated(hardware):

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import cpuinfo, decisions, distribute, gradients, keras_compat, tf_compat, timing
+from tfmp import decisions, distribute, gradients, keras_compat, precision, tf_compat, timing
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", "autotune", True, False)
@@ -295,7 +295,7 @@ def _rule(steps, jit_compile):
         use, hardware = True, "GPUs: on"
     elif steps.scaled:  # Loss scaling is on exactly where layers compute in float16.
         use, hardware = True, "CPUs: on for float16 compute (2.3-5.8x faster than without XLA on an Intel Xeon)"
-    elif not cpuinfo.bf16_flags() and _computes_in_bfloat16(steps.model):  # No bfloat16 instructions.
+    elif precision.computes_in(steps.model, "bfloat16") and precision.bfloat16_is_emulated():
         use, hardware = True, "CPUs: on for emulated bfloat16 compute (2.8-8.4x faster on an AMD EPYC Zen 3)"
     else:
         use, hardware = False, "CPUs: off"
@@ -303,10 +303,6 @@ def _rule(steps, jit_compile):
         return use, f'auto: {hardware} (a rule, the same every run; jit_compile="autotune" times it)'
     who = "on several workers" if distribute.num_workers(steps.strategy) > 1 else "with deterministic ops"
     return use, f"autotune {who}: {hardware} (a rule, not a timing, so that all runs agree)"
-
-
-def _computes_in_bfloat16(model):
-    return any(layer.compute_dtype == "bfloat16" for layer in [model, *keras_compat.sublayers(model)])
 
 
 def _fingerprint(steps, batches):
