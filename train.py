@@ -104,8 +104,9 @@ flags.DEFINE_enum(
     DEFAULT.jit_compile,
     list(training.JIT_COMPILE),
     "XLA for the whole update (one computation on one device), under any strategy. auto: on GPUs and TPUs; on "
-    "CPUs only where layers compute in float16 (a rule); autotune: measure both ways before training and keep XLA "
-    "only where it is clearly faster (recorded in --model_dir); a model XLA cannot compile trains without it.",
+    "CPUs only where layers compute in float16, or in bfloat16 on a CPU without bfloat16 instructions (a rule); "
+    "autotune: measure both ways before training and keep XLA only where it is clearly faster (recorded in "
+    "--model_dir); a model XLA cannot compile trains without it; several workers must all decide alike.",
 )
 flags.DEFINE_float(
     "trial_seconds",
