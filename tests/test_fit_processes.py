@@ -133,6 +133,24 @@ def test_keras_file_writing_callbacks_on_two_workers_write_the_chiefs_files_alon
     user_script.build(0).load_weights(tmp_path / "out" / "w.weights.h5")
 
 
+def test_workers_that_decide_differently_stop_at_once_saying_what_differs(tmp_path, monkeypatch):
+    """Worker 0 trains in float32 with XLA off, worker 1 in mixed_bfloat16 with XLA on, as two
+    workers deciding "auto" each by its own hardware might: both stop before training, with
+    one error naming both differences and the settings that make them agree, where they would
+    have trained one model two ways (or waited on each other's differing collectives)."""
+    monkeypatch.setenv("USER_SCRIPT_PRECISION", "float32|mixed_bfloat16")  # For the workers start_workers starts.
+    monkeypatch.setenv("USER_SCRIPT_JIT_COMPILE", "0|1")
+    results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]), timeout=120)
+    for (code, _, err), (mine, other, here, there) in zip(
+        results, [("float32", "mixed_bfloat16", "off", "on"), ("mixed_bfloat16", "float32", "on", "off")], strict=True
+    ):
+        assert code != 0 and "the 2 workers decided differently" in err, err[-3000:]
+        assert f"the precision policy: {mine} here, {other} elsewhere" in err, err[-3000:]
+        assert f"XLA: {here} here, {there} elsewhere" in err, err[-3000:]
+        assert "--precision and --jit_compile" in err, err[-3000:]
+    assert not list(tmp_path.glob("w*.npz"))  # Nothing trained, nothing saved.
+
+
 @pytest.mark.parametrize("kind", ["arrays", "pydataset"])
 def test_arrays_and_py_datasets_on_two_worker_processes_match_one_process(tmp_path, monkeypatch, kind):
     """model.fit's arrays (shuffled by tfmp, a validation split), or a PyDataset (its batch

@@ -11,6 +11,8 @@ USER_SCRIPT_CALLBACKS=DIR adds Keras' file-writing callbacks, all writing under 
 (DIR/w.weights.h5, every 2 batches), CSVLogger (DIR/log.csv), TensorBoard (DIR/tb), BackupAndRestore
 (DIR/backup, every 2 batches, kept).
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
+Either setting may hold one value per worker, split by "|" (`float32|mixed_bfloat16`: worker 0's, then
+worker 1's), as workers that decide by their own hardware might choose.
 USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
 batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
 on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp); =uneven as a generator of
@@ -111,6 +113,12 @@ def file_writers(directory):
     ]
 
 
+def setting(name, index):
+    """The environment's `name`, worker `index`'s where it holds one value per worker ("a|b")."""
+    values = os.environ.get(name, "").split("|")
+    return values[min(index, len(values) - 1)]
+
+
 if __name__ == "__main__":
     index = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
     out = sys.argv[1].format(worker=index)
@@ -120,7 +128,7 @@ if __name__ == "__main__":
     batch = int(sys.argv[5]) if len(sys.argv) > 5 else 32
     tfmp.set_seed(0, deterministic=True)
     strategy = tfmp.get_strategy("auto")
-    policy = os.environ.get("USER_SCRIPT_PRECISION")  # float8: its float8 state is saved too.
+    policy = setting("USER_SCRIPT_PRECISION", index)  # float8: its float8 state is saved too.
     if policy:
         tfmp.configure_precision(policy)
     with strategy.scope():
@@ -147,7 +155,7 @@ if __name__ == "__main__":
             epochs=3,
             grad_accum_steps=2,
             clipnorm=1.0,
-            jit_compile={"1": True, "0": False}.get(os.environ.get("USER_SCRIPT_JIT_COMPILE"), "auto"),
+            jit_compile={"1": True, "0": False}.get(setting("USER_SCRIPT_JIT_COMPILE", index), "auto"),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=4,
             callbacks=callbacks,
