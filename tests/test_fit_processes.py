@@ -136,8 +136,8 @@ def test_keras_file_writing_callbacks_on_two_workers_write_the_chiefs_files_alon
 def test_workers_that_decide_differently_stop_at_once_saying_what_differs(tmp_path, monkeypatch):
     """Worker 0 trains in float32 with XLA off, worker 1 in mixed_bfloat16 with XLA on, as two
     workers deciding "auto" each by its own hardware might: both stop before training, with
-    one error naming both differences and the settings that make them agree, where they would
-    have trained one model two ways (or waited on each other's differing collectives)."""
+    one error naming both differences and the settings that make them agree, where both
+    trained one model two ways and exited 0."""
     monkeypatch.setenv("USER_SCRIPT_PRECISION", "float32|mixed_bfloat16")  # For the workers start_workers starts.
     monkeypatch.setenv("USER_SCRIPT_JIT_COMPILE", "0|1")
     results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]), timeout=120)
