@@ -213,3 +213,10 @@ def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
     assert result.returncode == 2 and result.stderr.endswith(
         "bench: error: flag --rounds=0: 0 is not a positive integer\n"
     )
+
+
+def test_end_waits_time_each_fit_from_its_end_to_its_return(capsys):
+    waits = micro.end_waits(rounds=2, batches=16)
+    assert sorted(waits) == ["keras", "tfmp"]
+    assert all(len(seconds) == 2 and min(seconds) >= 0 for seconds in waits.values())
+    assert "tfmp: median" in capsys.readouterr().out

@@ -1,6 +1,10 @@
 """tfmp.fit's step called with its inputs flattened once (`tfmp.calls.Direct`): taken on one
 device and under a strategy, with XLA and without, to the same bits as the ordinary call."""
 
+import gc
+import threading
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -85,3 +89,38 @@ def test_an_evaluation_called_directly_gives_the_same_bits(replicas, jit_compile
     ordinary, kept = evaluate()
     assert kept == [False]
     assert direct == ordinary
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_fit_and_an_evaluation_delete_their_iterators_off_the_main_thread(replicas, mirrored, monkeypatch):
+    """Deleting the iterator of a dataset tf.data tunes may wait out its tuning thread's sleep, up to a minute
+    (`calls.let_go`); Keras fit waits so at its end. Every iterator made in a fit with validation and in an
+    evaluation is followed to its deletion: each on a thread of its own, none on the main thread."""
+    from tensorflow.python.distribute import input_lib
+
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    deleted_on = []
+
+    def followed(make):
+        def made(self):
+            iterator = make(self)
+            weakref.finalize(iterator, lambda: deleted_on.append(threading.current_thread().name))
+            return iterator
+
+        return made
+
+    for cls in (tf.data.Dataset, input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction):
+        monkeypatch.setattr(cls, "__iter__", followed(cls.__iter__))
+    x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).prefetch(tf.data.AUTOTUNE)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    tfmp.fit(model, data, epochs=2, validation_data=data, strategy=strategy, verbose=0)
+    tfmp.evaluate(model, data, strategy=strategy, verbose=0)
+    for thread in threading.enumerate():
+        if thread.name == calls.LET_GO:
+            thread.join()
+    gc.collect()
+    assert len(deleted_on) >= 4  # Two epochs', two validations', an evaluation's.
+    assert set(deleted_on) == {calls.LET_GO}

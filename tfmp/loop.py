@@ -254,8 +254,8 @@ def fit(
             if distribute.num_workers(strategy) < 2:
                 raise
             raise PeerLost(guards.peer_message(e, saver)) from e
-        finally:  # The fit's iterators end with it, as Keras fit's do. Kept, each held its prefetched batches and
-            steps.release()  # tf.data's tuning thread, and the bench's process waited 25 s for those threads to exit.
+        finally:  # The fit's iterators end with it, as Keras fit's do (kept, each held its prefetched batches and
+            steps.release()  # tf.data's tuning thread), deleted on a thread of their own: `calls.let_go`.
 
 
 def prepare(

@@ -168,13 +168,10 @@ class Steps:
     # ---- training ----
 
     def train(self, iterator, updates=1):
-        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`, and waits for them.
-
-        Returns:
-            A dict of numpy values: `step_loss` (the last update's mean loss), `grad_norm`, `finite` (per
-            variable; see `grad_norm` above), `iterations`, `learning_rate`, `loss_scale` (-1 without loss
-            scaling), and the model's metric results (`loss`, ...: running means over the epoch).
-        """
+        """Runs `updates` updates (1 or `steps_per_execution`) from `iterator`, waits for them, and returns a dict
+        of numpy values: `step_loss` (the last update's mean loss), `grad_norm`, `finite` (per variable; see
+        `grad_norm` above), `iterations`, `learning_rate`, `loss_scale` (-1 without loss scaling), and the
+        model's metric results (`loss`, ...: running means over the epoch)."""
         return self.read(self.dispatch(iterator, updates))
 
     def dispatch(self, iterator, updates=1, gated=False):
@@ -193,7 +190,7 @@ class Steps:
             return self.dispatch(iterator, updates, gated)
         kept, out = traced
         if len(self._concrete) > 8:  # Iterators of epochs gone.
-            self._concrete.clear()
+            calls.let_go_of(self._concrete)
         self._concrete[key] = kept
         return out
 
@@ -212,9 +209,9 @@ class Steps:
         return self._outputs.unpack(vector.numpy())
 
     def release(self):
-        """Drops the kept calls, and with them their iterators (prefetched batches, tf.data's tuning thread)."""
+        """Drops the kept calls, their iterators (prefetched batches, tf.data's tuning thread) on a thread."""
         for kept in (self._concrete, *(made["_concrete"] for made in self._made.values())):
-            kept.clear()
+            calls.let_go_of(kept)
 
     def replica_gradients(self, batches):
         """This replica's batches forward and backward, gradients summed: `tfmp.accumulate.replica_gradients`."""
@@ -389,7 +386,8 @@ class Steps:
             if self.strategy.num_replicas_in_sync > 1 or distribute.num_workers(self.strategy) > 1:
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
         test = calls.OfBatches(self._test, getattr(dataset, "element_spec", None))  # (Called directly.)
-        for i, batch in enumerate(itertools.islice(dataset, steps or None)):  # Not a batch past `steps` read.
+        held = [iter(dataset)]  # Deleted on a thread of its own at the end (`calls.let_go`).
+        for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
             callbacks.on_test_batch_begin(i)
             if self._first_call(test, batch) is _FAILED:  # XLA failed to compile: the same batch without it.
                 test = calls.OfBatches(self._test, test.spec)
@@ -397,4 +395,5 @@ class Steps:
             callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
             if self.model.stop_evaluating:
                 break
+        calls.let_go(held)
         return self.results()

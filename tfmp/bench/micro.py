@@ -1,7 +1,7 @@
 """The benchmark's small measurements: each training loop's own cost per step, evaluation's
 per batch, the norm's reductions per gradient or one a shape, the Adam update (Keras'
-element-wise ops against tfmp's fused kernels), and the transformer step with its embedding
-gradient dense or sparse."""
+element-wise ops against tfmp's fused kernels), the transformer step with its embedding
+gradient dense or sparse, and the wait between a fit's end and its return."""
 
 import functools
 import math
@@ -127,6 +127,38 @@ def evaluation_costs(rounds=7, layers=150, batches=300, say=print):
             + ")"
         )
     return cells
+
+
+class _Ended(keras.callbacks.Callback):
+    def on_train_end(self, logs=None):
+        self.at = time.perf_counter()
+
+
+def end_waits(rounds=4, batches=5000, say=print):
+    """{"keras": [...], "tfmp": [...]}: seconds from a fit's last callback (`on_train_end`) to its return, model.fit
+    and tfmp.fit called in turn `rounds` times (the other first every other round), each one epoch of `batches`
+    batches of 8 through a map and a prefetch that tf.data tunes (AUTOTUNE). Deleting such an iterator may wait
+    for tf.data's tuning thread (`tfmp.calls.let_go`): Keras fit waits so before it returns, tfmp.fit does not."""
+    say(f"a fit's end to its return on {precision.device_name()}: {rounds} alternating rounds, {batches} batches")
+    rng = np.random.default_rng(0)
+    x = rng.random((8 * batches, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).map(lambda a, b: (2 * a, b), tf.data.AUTOTUNE)
+    data = data.batch(8).prefetch(tf.data.AUTOTUNE)
+    fits, waits = {}, {}
+    for name in ("keras", "tfmp"):
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        fits[name] = functools.partial(model.fit if name == "keras" else functools.partial(loop.fit, model), data)
+        waits[name] = []
+    for round_index in range(rounds):
+        for name, fit in timing.in_turn(fits, round_index):
+            ended = _Ended()
+            fit(epochs=1, verbose=0, callbacks=[ended])
+            waits[name].append(time.perf_counter() - ended.at)
+        say(f"round {round_index + 1}: " + ", ".join(f"{n} {w[-1]:.2f} s" for n, w in waits.items()))
+    for name, seconds in waits.items():
+        say(f"{name}: median {statistics.median(seconds):.2f} s, most {max(seconds):.2f} s from its end to its return")
+    return waits
 
 
 def norm_costs(rounds=5, layers=150, steps_per_turn=30, jit_compile=False, policies=LOOP_POLICIES, say=print):
