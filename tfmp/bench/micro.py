@@ -148,7 +148,7 @@ def end_waits(rounds=4, batches=5000, say=print):
     for name in ("keras", "tfmp"):
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
-        fits[name] = functools.partial(model.fit if name == "keras" else functools.partial(loop.fit, model), data)
+        fits[name] = functools.partial(model.fit, data) if name == "keras" else functools.partial(loop.fit, model, data)
         waits[name] = []
     for round_index in range(rounds):
         for name, fit in timing.in_turn(fits, round_index):
