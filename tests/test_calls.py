@@ -91,14 +91,10 @@ def test_an_evaluation_called_directly_gives_the_same_bits(replicas, jit_compile
     assert direct == ordinary
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_a_fit_and_an_evaluation_delete_their_iterators_off_the_main_thread(replicas, mirrored, monkeypatch):
-    """Deleting the iterator of a dataset tf.data tunes may wait out its tuning thread's sleep, up to a minute
-    (`calls.let_go`); Keras fit waits so at its end. Every iterator made in a fit with validation and in an
-    evaluation is followed to its deletion: each on a thread of its own, none on the main thread."""
+def _follow_iterators(monkeypatch):
+    """A list to which the name of the thread that deletes each iterator made from now on is appended."""
     from tensorflow.python.distribute import input_lib
 
-    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
     deleted_on = []
 
     def followed(make):
@@ -111,6 +107,22 @@ def test_a_fit_and_an_evaluation_delete_their_iterators_off_the_main_thread(repl
 
     for cls in (tf.data.Dataset, input_lib.DistributedDataset, input_lib.DistributedDatasetsFromFunction):
         monkeypatch.setattr(cls, "__iter__", followed(cls.__iter__))
+    return deleted_on
+
+
+def _let_go_threads_end():
+    for thread in threading.enumerate():
+        if thread.name == calls.LET_GO:
+            thread.join()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_fit_and_an_evaluation_delete_their_iterators_off_the_main_thread(replicas, mirrored, monkeypatch):
+    """Deleting the iterator of a dataset tf.data tunes may wait out its tuning thread's sleep, up to a minute
+    (`calls.let_go`); Keras fit waits so at its end. Every iterator made in a fit with validation and in an
+    evaluation is followed to its deletion: each on a thread of its own, none on the main thread."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    deleted_on = _follow_iterators(monkeypatch)
     x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
     data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).prefetch(tf.data.AUTOTUNE)
     with strategy.scope():
@@ -118,9 +130,24 @@ def test_a_fit_and_an_evaluation_delete_their_iterators_off_the_main_thread(repl
         model.compile("sgd", "mse")
     tfmp.fit(model, data, epochs=2, validation_data=data, strategy=strategy, verbose=0)
     tfmp.evaluate(model, data, strategy=strategy, verbose=0)
-    for thread in threading.enumerate():
-        if thread.name == calls.LET_GO:
-            thread.join()
+    _let_go_threads_end()
     gc.collect()
     assert len(deleted_on) >= 4  # Two epochs', two validations', an evaluation's.
     assert set(deleted_on) == {calls.LET_GO}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_steps_dropped_without_release_delete_their_iterators_off_the_main_thread(replicas, mirrored, monkeypatch):
+    """`Steps` driven directly and dropped without `release` are a reference cycle (their traced functions hold
+    them), freed whenever and wherever Python's collector runs next: their iterators still go on threads of their
+    own, and the steps and model are freed."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    deleted_on = _follow_iterators(monkeypatch)
+    model, compiled = tiny.steps_after(strategy, False, 2)
+    dropped = weakref.ref(compiled), weakref.ref(model)
+    del model, compiled
+    gc.collect()
+    _let_go_threads_end()
+    gc.collect()
+    assert [ref() for ref in dropped] == [None, None]
+    assert deleted_on and set(deleted_on) == {calls.LET_GO}

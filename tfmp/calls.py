@@ -20,6 +20,7 @@ concrete function as usual; the bits are the same either way.
 """
 
 import threading
+import weakref
 
 import tensorflow as tf
 from absl import logging
@@ -67,6 +68,11 @@ def of_iterator(step, *args):
 class Direct:
     """`concrete(iterator)`, its inputs flattened once (see the module's docstring).
 
+    The iterator and its flattened tensors are held in a list that only the call and a finalizer of it hold: when
+    the call goes, by `let_go` or collected in a reference cycle (a `Steps` is one), that list is emptied on a
+    thread of its own (the module's `let_go`), which then alone deletes the iterator (it may wait up to a minute).
+    `call.let_go()` does so at once; the call is not to be made after it.
+
     Args:
         concrete: a concrete function of one argument, the iterator.
         iterator: the iterator every call passes.
@@ -74,16 +80,18 @@ class Direct:
 
     def __init__(self, concrete, iterator):
         self.concrete = concrete
-        self.iterator = iterator  # Kept, so that its tensors stay alive and its id names no other.
+        self._inference = arguments = inputs = None
         flat = _flat_inputs(concrete, iterator)
-        self._inputs = self._inference = None
-        if flat is None:
-            return
-        inference, arguments, self._captures = flat
-        self._deferred = any(callable(part) for part in self._captures)
-        inputs = self._gather(arguments)
-        if len(inputs) == len(inference.cached_definition.signature.input_arg):
-            self._arguments, self._inputs, self._inference = arguments, inputs, inference
+        if flat is not None:
+            inference, arguments, self._captures = flat
+            self._deferred = any(callable(part) for part in self._captures)
+            inputs = self._gather(arguments)
+            if len(inputs) == len(inference.cached_definition.signature.input_arg):
+                self._inference = inference
+        # The iterator is kept so that its tensors stay alive and its id names no other.
+        self._held = [_Held(iterator, arguments, inputs)]
+        self.let_go = weakref.finalize(self, let_go, self._held)
+        self.let_go.atexit = False  # At exit the interpreter deletes what is left, as it would anyway.
 
     def _gather(self, arguments):
         inputs = list(arguments)
@@ -98,20 +106,31 @@ class Direct:
 
     def arguments_are(self, tensors):
         """Whether `tensors` are, in order, the arguments the traced function takes (besides its captures)."""
-        if len(tensors) != len(self._arguments):
+        arguments = self._held[0].arguments
+        if len(tensors) != len(arguments):
             return False
-        return all(a is b for a, b in zip(tensors, self._arguments, strict=True))
+        return all(a is b for a, b in zip(tensors, arguments, strict=True))
 
     def with_arguments(self, tensors):
         """The traced function called on `tensors` (in the order `arguments_are` checked) and the captures."""
-        captures = self._gather([]) if self._deferred else self._inputs[len(self._arguments) :]
+        held = self._held[0]
+        captures = self._gather([]) if self._deferred else held.inputs[len(held.arguments) :]
         return self._inference.call_preflattened([*tensors, *captures])
 
     def __call__(self):
+        held = self._held[0]
         if self._inference is None or record.could_possibly_record() or not tf.executing_eagerly():
-            return self.concrete(self.iterator)
-        inputs = self._gather(self._arguments) if self._deferred else self._inputs
-        return self._inference.call_preflattened(inputs)
+            return self.concrete(held.iterator)
+        return self._inference.call_preflattened(self._gather(held.arguments) if self._deferred else held.inputs)
+
+
+class _Held:
+    """What a `Direct` call holds of its iterator: the iterator, its tensors flattened, and with the captures."""
+
+    __slots__ = ("iterator", "arguments", "inputs")
+
+    def __init__(self, iterator, arguments, inputs):
+        self.iterator, self.arguments, self.inputs = iterator, arguments, inputs
 
 
 class OfBatches:
@@ -168,8 +187,8 @@ def let_go(held):
 
 
 def let_go_of(kept):
-    """Empties `kept`, a dict of `Direct` calls: the calls at once (so their model can go), their iterators on a
-    thread (`let_go`)."""
-    iterators = [call.iterator for call in kept.values()]
+    """Empties `kept`, a dict of `Direct` calls: each call's iterator on a thread of its own (`Direct.let_go`), the
+    calls at once (so that their model can go)."""
+    for call in kept.values():
+        call.let_go()
     kept.clear()
-    let_go(iterators)
