@@ -135,11 +135,12 @@ def test_keras_file_writing_callbacks_on_two_workers_write_the_chiefs_files_alon
 
 def test_workers_that_decide_differently_stop_at_once_saying_what_differs(tmp_path, monkeypatch):
     """Worker 0 trains in float32 with XLA off, worker 1 in mixed_bfloat16 with XLA on, as two
-    workers deciding "auto" each by its own hardware might: both stop before training, with
-    one error naming both differences and the settings that make them agree, where both
-    trained one model two ways and exited 0."""
+    workers deciding "auto" each by its own hardware might, and worker 1 is given another clipnorm:
+    both stop before training, with one error naming the differences and the settings that make
+    them agree, where both trained one model two ways (their copies of it apart) and exited 0."""
     monkeypatch.setenv("USER_SCRIPT_PRECISION", "float32|mixed_bfloat16")  # For the workers start_workers starts.
     monkeypatch.setenv("USER_SCRIPT_JIT_COMPILE", "0|1")
+    monkeypatch.setenv("USER_SCRIPT_CLIPNORM", "1.0|0.5")
     results = wait_all(start_workers(lambda i: [SCRIPT, str(tmp_path / f"w{i}.npz"), "-", "0", "0"]), timeout=120)
     for (code, _, err), (mine, other, here, there) in zip(
         results, [("float32", "mixed_bfloat16", "off", "on"), ("mixed_bfloat16", "float32", "on", "off")], strict=True
@@ -148,6 +149,10 @@ def test_workers_that_decide_differently_stop_at_once_saying_what_differs(tmp_pa
         assert f"the precision policy: {mine} here, {other} elsewhere" in err, err[-3000:]
         assert f"XLA: {here} here, {there} elsewhere" in err, err[-3000:]
         assert "--precision and --jit_compile" in err, err[-3000:]
+        clipnorms = ["clipnorm 1.0", "clipnorm 0.5"][:: 1 if mine == "float32" else -1]
+        given = "the update: grad_accum_steps 2, {}, steps_per_execution 1 here, grad_accum_steps 2, {}, "
+        assert "the 2 workers were given different settings" in err and "tfmp.launch" in err, err[-3000:]
+        assert given.format(*clipnorms) in err, err[-3000:]
     assert not list(tmp_path.glob("w*.npz"))  # Nothing trained, nothing saved.
 
 

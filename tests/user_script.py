@@ -10,9 +10,10 @@ batch (or epoch) N, as a callback with a time limit might.
 USER_SCRIPT_CALLBACKS=DIR adds Keras' file-writing callbacks, all writing under DIR: ModelCheckpoint
 (DIR/w.weights.h5, every 2 batches), CSVLogger (DIR/log.csv), TensorBoard (DIR/tb), BackupAndRestore
 (DIR/backup, every 2 batches, kept).
-USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto").
-Either setting may hold one value per worker, split by "|" (`float32|mixed_bfloat16`: worker 0's, then
-worker 1's), as workers that decide by their own hardware might choose.
+USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto"); USER_SCRIPT_CLIPNORM its
+clipnorm (default 1.0).
+Each of these settings may hold one value per worker, split by "|" (`float32|mixed_bfloat16`: worker 0's, then
+worker 1's), as workers that decide by their own hardware, or run with other flags, might.
 USER_SCRIPT_DATA=arrays trains on the same examples as numpy arrays (`tfmp.fit(model, x, y,
 batch_size=..., validation_split=0.25)`, shuffled by tfmp) instead of a dataset; =pydataset
 on them as a keras.utils.PyDataset of batches (its batch order shuffled by tfmp); =uneven as a generator of
@@ -154,7 +155,7 @@ if __name__ == "__main__":
             **given,
             epochs=3,
             grad_accum_steps=2,
-            clipnorm=1.0,
+            clipnorm=float(setting("USER_SCRIPT_CLIPNORM", index) or 1.0),
             jit_compile={"1": True, "0": False}.get(setting("USER_SCRIPT_JIT_COMPILE", index), "auto"),
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=4,

@@ -16,7 +16,6 @@ from tfmp.errors import UsageError, first_line
 
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
 LR_SCALING = ("none", "linear", "sqrt")
-_CHOICE_BYTES = 64  # Of each choice's text, in check_workers_agree.
 
 
 def _tf_config_workers():
@@ -177,38 +176,6 @@ def worker_vote(strategy):
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.identity(flag)), axis=None)
 
     return lambda flag: float(votes(tf.constant(1.0 if flag else 0.0))) > 0
-
-
-def check_workers_agree(strategy, choices, how):
-    """Raises UsageError on every worker alike unless all made the same `choices` ({what: the
-    choice, as text}); `how`: what makes them agree. One all-gather, which every worker must
-    reach at the same point. Each worker decides "auto" by its own hardware (a GPU or none,
-    bfloat16 instructions or none): unchecked, one model would train under two precisions."""
-    workers = num_workers(strategy)
-    if workers == 1:
-        return
-    names = sorted(choices)
-    mine = [str(choices[name]).encode()[:_CHOICE_BYTES] for name in names]
-    row = np.zeros((1, len(names), _CHOICE_BYTES), np.int32)
-    for i, text in enumerate(mine):
-        row[0, i, : len(text)] = list(text)
-
-    @tf_compat.function(autograph=False)
-    def gather(row):
-        return strategy.gather(strategy.run(lambda: tf.identity(row)), axis=0)
-
-    rows = gather(tf.constant(row)).numpy().astype(np.uint8)  # A row per replica, every worker's.
-    differ = []
-    for i, name in enumerate(names):
-        seen = {bytes(r[i]).rstrip(b"\0") for r in rows}
-        if seen != {mine[i]}:
-            others = " and ".join(sorted(t.decode() for t in seen - {mine[i]}))
-            differ.append(f"{name}: {mine[i].decode()} here, {others} elsewhere")
-    if differ:
-        raise UsageError(
-            f"the {workers} workers decided differently ({'; '.join(differ)}): each decides by its own hardware, and "
-            f"one model must train alike on all; give every worker the same explicit choice ({how})"
-        )
 
 
 def is_chief(strategy):

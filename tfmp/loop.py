@@ -9,6 +9,7 @@ import numpy as np
 from absl import logging
 
 from tfmp import (
+    agree,
     bf16,
     checkpoint,
     cudnn,
@@ -208,10 +209,11 @@ def fit(
         reuse=distribute.num_workers(strategy) < 2,
         say=(lambda line: print(line, flush=True)) if verbose != 0 else None,
     )
-    distribute.check_workers_agree(  # Before any collective of training (a choice made by each worker's hardware).
+    agree.check(  # Before any collective of training: the choices each worker made by its hardware, the arguments.
         strategy,
         {"the precision policy": keras.config.dtype_policy().name, "XLA": "on" if use else "off"},
         "tfmp.configure_precision and fit's jit_compile; train.py: --precision and --jit_compile",
+        given=lambda: agree.settings(steps, epochs, steps_per_epoch),
     )
     if verbose != 0 and jit_compile == "autotune":
         print(f"XLA: {'on' if use else 'off'} ({why})", flush=True)
