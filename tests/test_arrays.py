@@ -8,6 +8,7 @@ import pytest
 from conftest import assert_same, autoencoder, regression, regression_arrays, regression_data, weights
 
 import tfmp
+from tfmp import fit_data
 from tfmp.errors import UsageError
 
 arrays = regression_arrays  # The examples of conftest's regression_data, unbatched.
@@ -63,6 +64,23 @@ def test_the_shuffle_is_set_by_the_seed_and_a_resumed_run_repeats_it(tmp_path):
     tfmp.fit(halves, x, y, **{**run, "epochs": 1}, checkpoint_dir=str(tmp_path))
     tfmp.fit(halves, x, y, **run, checkpoint_dir=str(tmp_path))
     assert_same(weights(halves), weights(straight), atol=0)
+
+
+@pytest.mark.parametrize("drop_remainder", [False, True])
+def test_shuffle_batch_keeps_each_batchs_examples_and_shuffles_within_it(drop_remainder):
+    """shuffle="batch", as model.fit takes it: batch k holds examples k*B .. k*B+B-1 every pass, in a new
+    order each pass, the orders set by the seed."""
+    x = np.arange(10, dtype="float32")[:, None]
+
+    def passes(seed, count=4):
+        data = fit_data.from_arrays((x, x), 4, "batch", seed=seed, drop_remainder=drop_remainder)
+        return [[b[0][:, 0].numpy().astype(int).tolist() for b in data] for _ in range(count)]
+
+    orders = passes(0)
+    whole = [[0, 1, 2, 3], [4, 5, 6, 7]] + ([] if drop_remainder else [[8, 9]])
+    assert all([sorted(batch) for batch in order] == whole for order in orders), orders
+    assert len({str(order) for order in orders}) > 1 and any(order != whole for order in orders), orders
+    assert passes(0) == orders and passes(1) != orders
 
 
 def test_tuples_dicts_sample_weights_and_two_replicas(mirrored):
@@ -188,6 +206,7 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
         (arrays(), {"validation_split": 0.2, "validation_data": arrays()}, "not both"),
         ((arrays()[0], arrays()[1][:10]), {}, r"same number \(> 0\) of examples; their lengths are \[10, 256\]"),
         (arrays(), {"batch_size": 0}, "batch_size must be an integer >= 1"),
+        (arrays(), {"shuffle": "batches"}, 'shuffle must be True, False or "batch" \\(as in model.fit\\), got'),
         (
             arrays(),
             {"validation_split": 0.25, "validation_batch_size": 1.5},

@@ -46,6 +46,8 @@ def datasets(
     (`validation_steps` for validation arrays, after `validation_batch_size`), else 32."""
     data, y, sample_weight, validation_data = (numpy_leaves(a) for a in (data, y, sample_weight, validation_data))
     _no_python_numbers(data=data, y=y, sample_weight=sample_weight, validation_data=validation_data)
+    if not (shuffle is None or isinstance(shuffle, (bool, np.bool_)) or shuffle == "batch"):
+        raise UsageError(f'shuffle must be True, False or "batch" (as in model.fit), got {shuffle!r}')
     seed = keras_compat.global_seed() or 0
     kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
     if pydata.is_python_data(data):
@@ -180,12 +182,18 @@ def _tensors(arrays):
 
 def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False):
     """A dataset of `batch_size` batches of `arrays` ((x, y) or (x, y, sample_weight)), the
-    examples in a new order each pass where `shuffle`: the same orders for the same `seed`,
+    examples in a new order each pass where `shuffle` (`"batch"`, as in `model.fit`: each batch's
+    examples, consecutive, in a new order within it): the same orders for the same `seed`,
     so that a resumed run, which skips the batches trained, reads the same batches on.
     The shuffle buffer holds the examples' indices, not copies of the examples."""
     n, tensors = num_examples(arrays), _tensors(arrays)
     order = tf.data.Dataset.range(n)
     if shuffle:
         order = order.shuffle(n, seed=seed, reshuffle_each_iteration=True)
+    batches = order.batch(batch_size, drop_remainder=drop_remainder)
+    if shuffle == "batch":  # As model.fit: each batch the same consecutive examples, in a new order each pass,
+        # drawn from the seeded permutation above (each batch's part of it ranks its examples).
+        keys, batches = batches, tf.data.Dataset.range(n).batch(batch_size, drop_remainder=drop_remainder)
+        batches = tf.data.Dataset.zip(batches, keys).map(lambda indices, key: tf.gather(indices, tf.argsort(key)))
     gather = lambda indices: tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)  # noqa: E731
-    return order.batch(batch_size, drop_remainder=drop_remainder).map(gather).prefetch(tf.data.AUTOTUNE)
+    return batches.map(gather).prefetch(tf.data.AUTOTUNE)

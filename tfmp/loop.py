@@ -107,9 +107,10 @@ def fit(
             dataset: its batch).
         validation_freq: validate every this many epochs, or, as in `model.fit`, at the end
             of the epochs a list names (counted from 1).
-        shuffle: with arrays (default True): the examples in a new order each epoch, the
-            orders set by `tfmp.set_seed`'s seed (0 without one), so that a resumed run
-            reads the batches the interrupted one would have. A dataset shuffles itself.
+        shuffle: with arrays (default True): the examples in a new order each epoch ("batch":
+            each batch's consecutive examples, within it, as in `model.fit`), the orders set by
+            `tfmp.set_seed`'s seed (0 without one), so that a resumed run reads the batches the
+            interrupted one would have. A dataset shuffles itself.
         class_weight: {class index: weight}, as in `model.fit`: each training example's
             loss is weighted by its label's class (one output; its labels class indices or
             one-hot; a class left out weighs 1). Not with sample weights in `data`.
