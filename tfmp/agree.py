@@ -79,16 +79,17 @@ def check(strategy, decided, how, given=dict):
 def differences(workers, mine, seen, decided, how):
     """The error for `mine` ({what: this worker's text}) against `seen` ({what: every worker's texts}), or None
     where all agree: the choices `decided` by each worker's hardware, then the settings given."""
-    parts = []
-    for group in (sorted(n for n in mine if n in decided), sorted(n for n in mine if n not in decided)):
-        differ = [
+
+    def listed(names):
+        return "; ".join(
             f"{name}: {mine[name].decode()} here, {' and '.join(sorted(t.decode() for t in seen[name] - {mine[name]}))}"
             " elsewhere"
-            for name in group
+            for name in sorted(names)
             if seen[name] != {mine[name]}
-        ]
-        parts.append("; ".join(differ))
-    chosen, given = parts
+        )
+
+    chosen = listed(n for n in mine if n in decided)
+    given = listed(n for n in mine if n not in decided)
     said = []
     if chosen:
         said.append(
