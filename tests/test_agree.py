@@ -60,3 +60,14 @@ def test_the_error_names_what_differs_and_how_to_agree(differ):
     assert (hardware in message, arguments in message) == (differ != "given", differ != "decided"), message
     assert ("--jit_compile" in message) == (differ != "given")
     assert ("tfmp.launch" in message) == (differ != "decided")
+
+
+def test_texts_alike_in_their_first_bytes_still_differ():
+    head = "grad_accum_steps 1, clipnorm 0.12345678901234567890, steps_per_execution 1"
+    other = head.replace("steps_per_execution 1", "steps_per_execution 2")
+    assert head[: agree._TEXT_BYTES] == other[: agree._TEXT_BYTES]  # noqa: SLF001 - what a cut alone would compare
+    mine, theirs = agree._text(head), agree._text(other)  # noqa: SLF001 - the text each worker sends
+    assert len(mine) == len(theirs) == agree._TEXT_BYTES and mine != theirs  # noqa: SLF001
+    assert mine.startswith(head[:40].encode()) and agree._text("clipnorm 1.0") == b"clipnorm 1.0"  # noqa: SLF001
+    message = agree.differences(2, {"the update": mine}, {"the update": {mine, theirs}}, {}, "")
+    assert "the update: grad_accum_steps 1, clipnorm 0.1234" in message and "..#" in message

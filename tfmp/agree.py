@@ -25,6 +25,15 @@ def _digest(value):
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
+def _text(value):
+    """`value` as at most _TEXT_BYTES bytes that still tell apart texts alike in their first _TEXT_BYTES: a longer
+    text keeps its head and ends in a digest of the whole."""
+    text = str(value).encode()
+    if len(text) <= _TEXT_BYTES:
+        return text
+    return text[: _TEXT_BYTES - 12] + b"..#" + hashlib.sha256(text).hexdigest()[:9].encode()
+
+
 def settings(steps, epochs, steps_per_epoch):
     """The arguments of a fit (its `Steps`, epochs and steps per epoch) that every worker must share, as text ({what:
     value}): the model's variables (their number, values, and a digest of their shapes and dtypes), the optimizer
@@ -59,7 +68,7 @@ def check(strategy, decided, how, given=dict):
     workers = distribute.num_workers(strategy)
     if workers == 1:
         return
-    mine = {name: str(text).encode()[:_TEXT_BYTES] for name, text in {**decided, **given()}.items()}
+    mine = {name: _text(text) for name, text in {**decided, **given()}.items()}
     names = sorted(mine)
     row = np.zeros((1, len(names), _TEXT_BYTES), np.int32)
     for i, name in enumerate(names):
@@ -82,7 +91,8 @@ def differences(workers, mine, seen, decided, how):
 
     def listed(names):
         return "; ".join(
-            f"{name}: {mine[name].decode()} here, {' and '.join(sorted(t.decode() for t in seen[name] - {mine[name]}))}"
+            f"{name}: {mine[name].decode(errors='replace')} here, "
+            f"{' and '.join(sorted(t.decode(errors='replace') for t in seen[name] - {mine[name]}))}"
             " elsewhere"
             for name in sorted(names)
             if seen[name] != {mine[name]}
