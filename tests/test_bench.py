@@ -14,6 +14,7 @@ from tfmp import gradients, precision
 from tfmp.bench import micro, pool, pytorch, runs, tables
 
 
+@pytest.mark.slow  # The whole bench in a process of its own, every part tiny: 2-3 minutes on 2 cores.
 def test_bench_writes_figures(tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(

@@ -105,3 +105,13 @@ def test_every_readme_command_parses_and_validates(tmp_path, monkeypatch):
             seen["pip" if argv[2] == "pip" else "pytest"] += 1
     flags.FLAGS.unparse_flags()
     assert seen["train.py"] >= 10 and seen["launch"] == 3 and seen["pip"] == 2 and seen["pytest"] == 1
+
+
+def test_ci_runs_readmes_test_command_and_the_slow_tests():
+    """.ci/run runs README's test command as README shows it (python3 there, the venv's python here), then
+    the tests that command leaves out."""
+    (readme,) = [argv for argv in _shell_commands() if argv[1:3] == ["-m", "pytest"]]
+    lines = [shlex.split(line.split(" # ")[0]) for line in open(os.path.join(REPO, ".ci", "run")) if "pytest" in line]
+    ran = [argv[1:] for argv in lines if argv and argv[0] == "python"]
+    assert readme[1:] in ran, (readme, ran)
+    assert readme[readme.index("-m", 2) + 1] == "not slow" and [*readme[1:-2], "slow", "tests"] in ran, ran
