@@ -178,6 +178,7 @@ def test_doctor_command_errors_in_one_line_and_lists_its_flags():
     assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
 
 
+@pytest.mark.slow  # Three commands in processes of their own, one training on the real digits: 30-50 s.
 def test_doctor_command_and_train_diagnose(tmp_path):
     report = _command("-m", "tfmp.doctor", "--model=cnn", "--steps=2", f"--output_dir={tmp_path / 'doc'}")
     assert report.returncode == 0, report.stderr[-2000:]

@@ -95,6 +95,7 @@ def test_a_part_warms_no_fit_past_its_budget(tmp_path):
     assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(float8_hlo.VARIANTS)
 
 
+@pytest.mark.slow  # Four processes that start TensorFlow to refuse a flag: 25-40 s.
 def test_bad_flags_are_refused_naming_the_flag(tmp_path):
     result = _report(tmp_path, "--part=12", timeout=120)
     assert result.returncode == 2 and "--part=12: choose 1, 2, 3, 4, 5, 6, 7, 8 or all" in result.stderr

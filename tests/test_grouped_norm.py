@@ -97,6 +97,7 @@ def test_the_rule_groups_under_xla_on_a_gpu_and_without_xla_on_a_cpu(monkeypatch
     assert steps._grouped is not gpu  # noqa: SLF001
 
 
+@pytest.mark.slow  # A whole bench in small, in a process of its own: 25-40 s.
 def test_the_bench_times_tfmps_steps_and_keras_and_counts_their_kernels(tmp_path):
     """`python -m tfmp.bench.grouped_norm --smoke`, in its own process (it sets XLA_FLAGS
     to dump the steps' HLO before TensorFlow starts)."""
