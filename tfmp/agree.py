@@ -31,7 +31,8 @@ def _text(value):
     text = str(value).encode()
     if len(text) <= _TEXT_BYTES:
         return text
-    return text[: _TEXT_BYTES - 12] + b"..#" + hashlib.sha256(text).hexdigest()[:9].encode()
+    tail = b"..#" + _digest(str(value)).encode()
+    return text[: _TEXT_BYTES - len(tail)] + tail
 
 
 def settings(steps, epochs, steps_per_epoch):
