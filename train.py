@@ -11,16 +11,12 @@ import sys
 
 from absl import app, flags
 
-from tfmp import cli
-
-if __name__ == "__main__":
-    cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
-
-from tfmp import bf16, distribute, precision  # noqa: E402
-from tfmp.app import models, training  # noqa: E402
+from tfmp import choices, cli
+from tfmp.app import config as settings  # Neither loads TensorFlow: a wrong flag or --help is answered at once.
+from tfmp.app import models
 
 FLAGS = flags.FLAGS
-DEFAULT = training.Config()  # Every flag's default is the Config field's: stated once, there.
+DEFAULT = settings.Config()  # Every flag's default is the Config field's: stated once, there.
 flags.DEFINE_enum("model", DEFAULT.model, list(models.MODELS), "Model to train.")
 flags.DEFINE_string(
     "dataset",
@@ -34,20 +30,20 @@ flags.DEFINE_bool("download", DEFAULT.download, "Let TFDS download a registered 
 flags.DEFINE_enum(
     "precision",
     DEFAULT.precision,
-    [*precision.POLICIES, precision.AUTOTUNE],
+    [*choices.POLICIES, choices.AUTOTUNE],
     "Dtype policy. auto: from the hardware, with the reason; autotune: a short timed trial of each "
     "policy on this model, batch and strategy, cached in MODEL_DIR/autotune.json.",
 )
 flags.DEFINE_enum(
     "bf16_rounding",
     DEFAULT.bf16_rounding,
-    list(bf16.ROUNDINGS),
+    list(choices.ROUNDINGS),
     "Under --precision=bfloat16 (weights and optimizer state in bfloat16, half the memory): how each float32 "
     "update is written back. kahan: a compensation buffer per weight (8 bytes a parameter with Adam); "
     "stochastic: seeded by --seed, the step and the variable (6 bytes); nearest: Keras' behaviour, small "
     "updates vanish.",
 )
-flags.DEFINE_enum("strategy", DEFAULT.strategy, list(distribute.STRATEGIES), "tf.distribute strategy.")
+flags.DEFINE_enum("strategy", DEFAULT.strategy, list(choices.STRATEGIES), "tf.distribute strategy.")
 flags.DEFINE_string("tpu", DEFAULT.tpu, "With --strategy=tpu: 'local' (Colab/TPU VM) or a TPU name/address.")
 flags.DEFINE_integer("batch_size", DEFAULT.batch_size, "GLOBAL batch size (summed over replicas).")
 flags.DEFINE_integer("epochs", DEFAULT.epochs, "Training epochs.")
@@ -55,7 +51,7 @@ flags.DEFINE_integer(
     "steps_per_epoch", DEFAULT.steps_per_epoch, "Steps per epoch (repeats the data); default one pass."
 )
 flags.DEFINE_float("learning_rate", DEFAULT.learning_rate, "Base learning rate (for --base_batch_size).")
-flags.DEFINE_enum("lr_scaling", DEFAULT.lr_scaling, list(distribute.LR_SCALING), "Scale the LR with the batch size.")
+flags.DEFINE_enum("lr_scaling", DEFAULT.lr_scaling, list(choices.LR_SCALING), "Scale the LR with the batch size.")
 flags.DEFINE_integer(
     "base_batch_size", DEFAULT.base_batch_size, "Batch size the base LR is tuned for (default: the batch size)."
 )
@@ -102,7 +98,7 @@ flags.DEFINE_bool(
 flags.DEFINE_enum(
     "jit_compile",
     DEFAULT.jit_compile,
-    list(training.JIT_COMPILE),
+    list(settings.JIT_COMPILE),
     "XLA for the whole update (one computation on one device), under any strategy. auto: on GPUs and TPUs; on "
     "CPUs only where layers compute in float16, or in bfloat16 on a CPU without bfloat16 instructions (a rule); "
     "autotune: measure both ways before training and keep XLA only where it is clearly faster (recorded in "
@@ -117,7 +113,7 @@ flags.DEFINE_float(
 flags.DEFINE_enum(
     "resume",
     DEFAULT.resume,
-    list(training.RESUME),
+    list(settings.RESUME),
     "auto: resume MODEL_DIR's checkpoint only with the settings it was saved with (batch size, precision, seed, "
     "model, dataset, grad accumulation, replicas, steps per epoch); force: resume it anyway, giving up an exact "
     "resume (the input position is counted in this run's batches).",
@@ -126,12 +122,19 @@ flags.DEFINE_enum(
 
 def main(argv):
     del argv  # Stray arguments were refused by the flags parser.
-    config = training.Config(
-        **{f.name: FLAGS[f.name].value for f in dataclasses.fields(training.Config) if f.name in FLAGS}
+    from tfmp.app import training  # noqa: PLC0415 - TensorFlow loads here, once the flags are read.
+
+    config = settings.Config(
+        **{f.name: FLAGS[f.name].value for f in dataclasses.fields(settings.Config) if f.name in FLAGS}
     )
     with cli.user_errors("train.py"), cli.sigterm_exits_75(config.model_dir):
         training.train_and_evaluate(config)
 
 
+def _quiet_main(argv):
+    cli.quiet_start(sys.argv, "train.py")  # Before TensorFlow loads: no C++ start-up lines unless -v is given.
+    main(argv)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=cli.flags_parser("train.py"))
+    app.run(_quiet_main, flags_parser=cli.flags_parser("train.py"))

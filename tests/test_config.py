@@ -1,4 +1,4 @@
-"""tfmp.app.config on its own: each run setting is stated once (train.py's flags take their
+"""tfmp.app.config and checks on their own: each run setting is stated once (train.py's flags take their
 defaults from `Config`), and `validate` refuses what is wrong whatever the hardware."""
 
 import dataclasses
@@ -7,6 +7,7 @@ import math
 import pytest
 from absl import flags
 
+from tfmp.app import checks
 from tfmp.app import config as config_lib
 from tfmp.errors import UsageError
 
@@ -46,11 +47,11 @@ def test_every_flag_defaults_to_its_config_field(train_flags):
 )
 def test_validate_refuses(change, words, tmp_path):
     with pytest.raises(UsageError, match=words):
-        config_lib.validate(config_lib.Config(model_dir=str(tmp_path), **change))
+        checks.validate(config_lib.Config(model_dir=str(tmp_path), **change))
 
 
 def test_validate_accepts_the_defaults(tmp_path):
-    config_lib.validate(config_lib.Config(model_dir=str(tmp_path)))
+    checks.validate(config_lib.Config(model_dir=str(tmp_path)))
 
 
 @pytest.mark.parametrize(
@@ -70,7 +71,7 @@ def test_validate_accepts_the_defaults(tmp_path):
     ],
 )
 def test_a_flag_the_run_leaves_unread_is_named(change, policy, strategy, words):
-    lines = config_lib.without_effect(config_lib.Config(**change), policy, strategy)
+    lines = checks.without_effect(config_lib.Config(**change), policy, strategy)
     assert len(lines) == 1 and lines[0].startswith(words), lines
 
 
@@ -89,4 +90,4 @@ def test_a_flag_the_run_leaves_unread_is_named(change, policy, strategy, words):
     ],
 )
 def test_a_flag_the_run_reads_is_not_named(change, policy, strategy):
-    assert config_lib.without_effect(config_lib.Config(**change), policy, strategy) == []
+    assert checks.without_effect(config_lib.Config(**change), policy, strategy) == []

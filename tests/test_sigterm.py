@@ -24,7 +24,7 @@ def _sigterm_handled(pid):
 
 # Each phase is waited for, not guessed from the wall clock: a slower machine reaches it later.
 PHASES = {
-    "loading": lambda process, model_dir: _sigterm_handled(process.pid),  # train.py's first line ran; TF loads.
+    "loading": lambda process, model_dir: _sigterm_handled(process.pid),  # Its flags read, TensorFlow loads.
     "setting up": lambda process, model_dir: (model_dir / "run.json").exists(),  # Lock taken; model, XLA next.
     "training": lambda process, model_dir: list((model_dir / "checkpoints").glob("ckpt-2.index")),
 }

@@ -31,9 +31,9 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import adafactor, keras_compat, keras_optimizers
+from tfmp.choices import ROUNDINGS  # noqa: F401 - re-exported: named where TensorFlow need not load.
 from tfmp.errors import UsageError
 
-ROUNDINGS = ("kahan", "stochastic", "nearest")
 NEAREST_WARNING = (
     "bfloat16 with rounding='nearest' (Keras' behaviour) drops every update smaller than half a bfloat16 step of "
     "its weight (2^-9 of it): small learning rates, late training and weight decay stall; use rounding='kahan' "

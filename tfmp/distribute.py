@@ -12,10 +12,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import keras_compat, tf_compat
+from tfmp.choices import LR_SCALING, STRATEGIES  # noqa: F401 - re-exported: named where TensorFlow need not load.
 from tfmp.errors import UsageError, first_line
-
-STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")
-LR_SCALING = ("none", "linear", "sqrt")
 
 
 def _tf_config_workers():

@@ -11,11 +11,10 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import bf16, cpuinfo, keras_compat, tf_compat
+from tfmp.choices import AUTOTUNE, POLICIES  # noqa: F401 - re-exported: named where TensorFlow need not load.
 from tfmp.errors import UsageError
 
-POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32", "float8", "bfloat16")
 FLOAT8_BASE = "mixed_bfloat16"  # float8 computes in bfloat16 around its float8 matmuls (tfmp.float8).
-AUTOTUNE = "autotune"  # Handled by tfmp.autotune: it needs the model and data.
 
 
 @dataclasses.dataclass(frozen=True)

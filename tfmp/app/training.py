@@ -30,13 +30,8 @@ from tfmp import (
     seed,
 )
 from tfmp.app import autotune, export, models, report
-from tfmp.app.config import (  # noqa: F401 - Config, RESUME: re-exported.
-    JIT_COMPILE,
-    RESUME,
-    Config,
-    validate,
-    without_effect,
-)
+from tfmp.app.checks import validate, without_effect
+from tfmp.app.config import JIT_COMPILE, RESUME, Config  # noqa: F401 - Config, RESUME: re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
 

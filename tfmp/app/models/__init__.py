@@ -1,11 +1,11 @@
 """The bundled models: a plain dict from name to (input kind, builder), the shipped
-dataset each input kind trains on by default, and `build` for a model on its data."""
+dataset each input kind trains on by default, and `build` for a model on its data.
 
+Each model's module (and Keras) loads on its first build, so that `train.py` can define its
+flags from `MODELS` before TensorFlow starts."""
+
+import importlib
 import typing
-
-import keras
-
-from tfmp.app.models import cnn, lstm, resnet, transformer
 
 
 class Entry(typing.NamedTuple):
@@ -15,11 +15,20 @@ class Entry(typing.NamedTuple):
     build: typing.Callable
 
 
+def _build_of(module):
+    """`tfmp.app.models.<module>.build`, imported on its first call."""
+
+    def build(*args, **kwargs):
+        return importlib.import_module(f"{__name__}.{module}").build(*args, **kwargs)
+
+    return build
+
+
 MODELS = {
-    "cnn": Entry("image", cnn.build),
-    "resnet": Entry("image", resnet.build),
-    "lstm": Entry("text", lstm.build),
-    "transformer": Entry("text", transformer.build),
+    "cnn": Entry("image", _build_of("cnn")),
+    "resnet": Entry("image", _build_of("resnet")),
+    "lstm": Entry("text", _build_of("lstm")),
+    "transformer": Entry("text", _build_of("transformer")),
 }
 
 
@@ -44,6 +53,8 @@ def build(name, ds, sequence_length=None):
 def compile(model, optimizer, steps_per_execution=1, jit_compile="auto"):  # noqa: A001 - Keras' word for it.
     """Compiles a bundled classifier (float32 probabilities out) with its loss and metric
     (`jit_compile`: Keras' own, for `model.fit`; tfmp.fit takes its own)."""
+    import keras  # noqa: PLC0415 - loads TensorFlow: not for `MODELS` alone.
+
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(),
