@@ -6,7 +6,6 @@ import pytest
 
 import tfmp
 from tfmp.app import models
-from tfmp.app.models import resnet
 
 POLICIES = {"mixed_float16": "float16", "mixed_bfloat16": "bfloat16", "float32": "float32"}
 SMALL = {
@@ -62,4 +61,4 @@ def test_one_training_step_moves_weights(name):
 
 def test_resnet_depth_must_be_6n_plus_2():
     with pytest.raises(ValueError, match="6n\\+2"):
-        resnet.build(10, depth=21)
+        models.resnet.build(10, depth=21)

@@ -1,11 +1,17 @@
 """The bundled models: a plain dict from name to (input kind, builder), the shipped
 dataset each input kind trains on by default, and `build` for a model on its data.
 
-Each model's module (and Keras) loads on its first build, so that `train.py` can define its
-flags from `MODELS` before TensorFlow starts."""
+Each model's module (and Keras) loads on its first build or first use as an attribute
+(`models.resnet`, `tfmp.lazy`), so that `train.py` can define its flags from `MODELS` before
+TensorFlow starts."""
 
 import importlib
 import typing
+
+from tfmp import lazy
+
+__all__ = ["DEFAULT_DATASETS", "MODELS", "Entry", "build", "cnn", "compile", "lstm", "resnet", "transformer"]
+__getattr__, __dir__ = lazy.names(globals(), {}, modules=("cnn", "lstm", "resnet", "transformer"))
 
 
 class Entry(typing.NamedTuple):
