@@ -169,13 +169,17 @@ def _command(*args):
 
 
 def test_doctor_command_errors_in_one_line_and_lists_its_flags():
-    """No TensorFlow start-up lines (its package loads TensorFlow only on use), as train.py."""
-    bad = _command("-m", "tfmp.doctor", "--model=bogus")
+    """Both before TensorFlow loads (its flags come from a module that loads none), as train.py's."""
+    run = "import runpy, sys\ntry:\n    runpy.run_module('tfmp.doctor', run_name='__main__', alter_sys=True)\n"
+    run += "finally:\n    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
+    bad = _command("-c", run, "--model=bogus")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
-        "tfmp.doctor: error: unknown --model='bogus'; choose one of cnn, resnet, lstm, transformer"
+        "tfmp.doctor: error: flag --model=bogus: value should be one of <cnn|resnet|lstm|transformer>"
     ]
-    usage = _command("-m", "tfmp.doctor", "--helpshort")
+    usage = _command("-c", run, "--helpshort")
     assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
+    for result in (bad, usage):
+        assert result.stdout.splitlines()[-1] == "tensorflow loaded: False", result
 
 
 @pytest.mark.slow  # Three commands in processes of their own, one training on the real digits: 30-50 s.

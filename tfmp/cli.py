@@ -7,7 +7,7 @@ import contextlib
 import os
 import sys
 
-from absl import flags, logging
+from absl import app, flags, logging
 
 from tfmp.errors import SIGTERM_RECEIVED, PeerLost, Preempted, TrainingError, UsageError, first_line
 
@@ -87,6 +87,13 @@ def flags_parser(prog):
         return rest
 
     return parse
+
+
+def read_flags(argv, prog):
+    """Reads the flags now, as `app.run` would (--help included), and returns the arguments left:
+    an entry point that calls it before importing TensorFlow answers a wrong flag or --help at once."""
+    app.define_help_flags()
+    return flags_parser(prog)(argv)
 
 
 @contextlib.contextmanager

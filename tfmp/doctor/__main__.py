@@ -12,11 +12,13 @@ import sys
 from absl import flags
 
 from tfmp import cli
+from tfmp.app import doctor_flags  # Loads no TensorFlow.
 
-cli.quiet_start(sys.argv, "tfmp.doctor")  # Before TensorFlow loads.
+doctor_flags.define()
+flags.adopt_module_key_flags(doctor_flags)  # --helpshort lists them: this module is the program.
+ARGV = cli.read_flags(sys.argv, "tfmp.doctor")  # A wrong flag or --help is answered here, before TensorFlow loads.
+cli.quiet_start(sys.argv, "tfmp.doctor")  # TensorFlow loads here, its C++ start-up lines off stderr.
 
 from tfmp.app import doctor_cli  # noqa: E402
 
-doctor_cli.define_flags()
-flags.adopt_module_key_flags(doctor_cli)  # --helpshort lists them: this module is the program.
-doctor_cli.run()
+doctor_cli.run(ARGV)
