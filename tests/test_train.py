@@ -121,8 +121,11 @@ def test_lstm_feeds_cudnn_no_fully_masked_row(tmp_path, cudnn_mask_check):
 
 
 def short_run(tmp_path, model, steps, **settings):
-    """A bundled model's train_and_evaluate on small synthetic data: its metrics."""
+    """A bundled model's train_and_evaluate on small synthetic data, without XLA (the rule turns it on for
+    bfloat16 on a CPU without bfloat16 instructions, where compiling ResNet took 10 of a test's 20 s;
+    tests/test_xla.py is XLA's): its metrics."""
     config = training.Config(
+        jit_compile="false",
         model=model,
         dataset="synthetic",
         batch_size=8,
