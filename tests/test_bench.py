@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO
 
 from tfmp import gradients, precision
-from tfmp.bench import micro, pool, pytorch, runs, tables
+from tfmp.bench import bench_flags, micro, pool, pytorch, realsize, runs, tables
 
 
 @pytest.mark.slow  # The whole bench in a process of its own, every part tiny: 2-3 minutes on 2 cores.
@@ -124,6 +124,12 @@ def test_evaluation_costs_time_tfmp_evaluate_against_model_evaluate(capsys):
     assert "evaluation cost, XLA on: tfmp.evaluate" in capsys.readouterr().out
 
 
+def test_the_flags_name_the_real_size_models_there_are():
+    """The bench's flags are defined before TensorFlow loads, from names kept apart from the models."""
+    assert tuple(realsize.MODELS) == bench_flags.REAL_SIZE and set(realsize.BATCH_SIZES) == set(realsize.MODELS)
+    assert set(bench_flags.GPU_MODELS) <= set(realsize.MODELS)
+
+
 def test_update_times_keras_against_fused():
     update = micro.update_times("resnet50", rounds=2, calls_per_turn=1)
     assert update["parameters"] > 2e7 and update["keras_ms"] > 0 and update["fused_ms"] > 0
@@ -204,16 +210,21 @@ def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
     assert rows is None and why.startswith("FileNotFoundError")
     assert pytorch.rates(sys.executable, ["float8"], 2, 1, 0.0, 1) == (None, "no policy with a PyTorch counterpart")
     assert tables.pytorch_text({"left_out": why}) == f"PyTorch column left out: {why}"
-    # A Python named on the command line that is not there is an error at once, not a column left out.
-    bench = [sys.executable, "-m", "tfmp.bench", f"--pytorch={tmp_path / 'absent'}", "--models=resnet50"]
-    result = subprocess.run(bench, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "not an executable Python" in result.stderr
-    result = subprocess.run([*bench[:3], "--models=resnet5"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "unknown model 'resnet5'; choose from cnn, resnet" in result.stderr
-    result = subprocess.run([*bench[:3], "--rounds=0"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and result.stderr.endswith(
-        "bench: error: flag --rounds=0: 0 is not a positive integer\n"
-    )
+    # A Python named on the command line that is not there is an error at once, not a column left out. Each
+    # refusal comes before TensorFlow loads (the flags and their checks are in tfmp.bench.bench_flags).
+    run = "import runpy, sys\ntry:\n    runpy.run_module('tfmp.bench', run_name='__main__', alter_sys=True)\n"
+    run += "finally:\n    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
+
+    def bench(*flags):
+        result = subprocess.run(
+            [sys.executable, "-c", run, *flags], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2 and result.stdout == "tensorflow loaded: False\n", result
+        return result.stderr
+
+    assert "not an executable Python" in bench(f"--pytorch={tmp_path / 'absent'}", "--models=resnet50")
+    assert "unknown model 'resnet5'; choose from cnn, resnet" in bench("--models=resnet5")
+    assert bench("--rounds=0") == "bench: error: flag --rounds=0: 0 is not a positive integer\n"
 
 
 def test_end_waits_time_each_fit_from_its_end_to_its_return(capsys):

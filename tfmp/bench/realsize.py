@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmp.app.models import transformer
+from tfmp.bench import bench_flags
 from tfmp.heads import classification_head
 
 
@@ -80,7 +81,6 @@ def smoke_encoder(num_classes=2):
 
 
 MODELS = {"resnet50": resnet50, "bert_base": bert_base, "encoder_4096": encoder_4096}
-GPU_MODELS = ("resnet50", "bert_base")  # The bench's default on a GPU.
-BATCH_SIZES = {"resnet50": 128, "bert_base": 64, "encoder_4096": 64}  # Its defaults, the GPU sizes.
+GPU_MODELS, BATCH_SIZES = bench_flags.GPU_MODELS, bench_flags.BATCH_SIZES  # Named where the flags are defined.
 SMOKE = {"resnet50": smoke_conv, "bert_base": smoke_encoder, "encoder_4096": smoke_encoder}  # Same inputs, tiny.
 SMOKE_INPUTS = {"image_size": 32, "sequence_length": 16}
