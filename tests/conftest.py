@@ -214,6 +214,14 @@ def assert_same(a, b, atol=1e-5):
         np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
+def entry_point_process(run, *args):
+    """Runs the entry point `run` starts (a runpy call: `runpy.run_module('tfmp.doctor', run_name='__main__',
+    alter_sys=True)`) with `args`, from the checkout, in a process of its own; the last line it prints says whether
+    TensorFlow had been loaded when it ended: 'tensorflow loaded: False' for an answer given before."""
+    code = f"import runpy, sys\ntry:\n    {run}\nfinally:\n    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
 def train_process(*args, env=None):
     """train.py as a process of its own, its output piped (where TensorFlow's start-up output
     or a signal's delivery matter); returns the Popen."""

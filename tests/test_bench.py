@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, entry_point_process
 
 from tfmp import gradients, precision
 from tfmp.bench import bench_flags, micro, pool, pytorch, realsize, runs, tables
@@ -210,15 +210,11 @@ def test_pytorch_column_is_left_out_with_its_reason(tmp_path):
     assert rows is None and why.startswith("FileNotFoundError")
     assert pytorch.rates(sys.executable, ["float8"], 2, 1, 0.0, 1) == (None, "no policy with a PyTorch counterpart")
     assert tables.pytorch_text({"left_out": why}) == f"PyTorch column left out: {why}"
+
     # A Python named on the command line that is not there is an error at once, not a column left out. Each
     # refusal comes before TensorFlow loads (the flags and their checks are in tfmp.bench.bench_flags).
-    run = "import runpy, sys\ntry:\n    runpy.run_module('tfmp.bench', run_name='__main__', alter_sys=True)\n"
-    run += "finally:\n    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
-
     def bench(*flags):
-        result = subprocess.run(
-            [sys.executable, "-c", run, *flags], cwd=REPO, capture_output=True, text=True, timeout=60
-        )
+        result = entry_point_process("runpy.run_module('tfmp.bench', run_name='__main__', alter_sys=True)", *flags)
         assert result.returncode == 2 and result.stdout == "tensorflow loaded: False\n", result
         return result.stderr
 

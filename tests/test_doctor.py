@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
-from conftest import autoencoder
+from conftest import autoencoder, entry_point_process
 
 import tfmp
 from tfmp import doctor, heads
@@ -170,13 +170,12 @@ def _command(*args):
 
 def test_doctor_command_errors_in_one_line_and_lists_its_flags():
     """Both before TensorFlow loads (its flags come from a module that loads none), as train.py's."""
-    run = "import runpy, sys\ntry:\n    runpy.run_module('tfmp.doctor', run_name='__main__', alter_sys=True)\n"
-    run += "finally:\n    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
-    bad = _command("-c", run, "--model=bogus")
+    run = "runpy.run_module('tfmp.doctor', run_name='__main__', alter_sys=True)"
+    bad = entry_point_process(run, "--model=bogus")
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "tfmp.doctor: error: flag --model=bogus: value should be one of <cnn|resnet|lstm|transformer>"
     ]
-    usage = _command("-c", run, "--helpshort")
+    usage = entry_point_process(run, "--helpshort")
     assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
     for result in (bad, usage):
         assert result.stdout.splitlines()[-1] == "tensorflow loaded: False", result

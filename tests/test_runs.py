@@ -9,13 +9,12 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 
 import pytest
 from absl import flags
-from conftest import GPUS, NO_SHARED_DATASETS, REPO, SHARED_DATASETS, train_process
+from conftest import GPUS, NO_SHARED_DATASETS, SHARED_DATASETS, entry_point_process, train_process
 
 from tfmp import checkpoint, cli, run_directory
 from tfmp.app import training
@@ -208,10 +207,8 @@ def test_a_process_prints_exactly_one_line(tmp_path, args, words):
 def test_a_wrong_flag_and_help_are_answered_before_tensorflow_loads():
     """train.py's flags come from modules that load no TensorFlow, and it loads once they are
     read: a wrong flag or --help answers at once (it took 5 s on 2 CPU cores)."""
-    run = "import runpy, sys\ntry:\n    runpy.run_path('train.py', run_name='__main__')\nfinally:\n"
-    run += "    print('tensorflow loaded:', 'tensorflow' in sys.modules)"
     for flag, status, said in (("--model=vgg", 2, "train.py: error: flag --model=vgg"), ("--help", 1, "--model:")):
-        result = subprocess.run([sys.executable, "-c", run, flag], cwd=REPO, capture_output=True, text=True, timeout=60)
+        result = entry_point_process("runpy.run_path('train.py', run_name='__main__')", flag)
         assert result.returncode == status and said in result.stdout + result.stderr, result
         assert result.stdout.splitlines()[-1] == "tensorflow loaded: False", result
 
