@@ -126,7 +126,7 @@ def test_evaluation_costs_time_tfmp_evaluate_against_model_evaluate(capsys):
 
 def test_the_flags_name_the_real_size_models_there_are():
     """The bench's flags are defined before TensorFlow loads, from names kept apart from the models."""
-    assert tuple(realsize.MODELS) == bench_flags.REAL_SIZE and set(realsize.BATCH_SIZES) == set(realsize.MODELS)
+    assert tuple(realsize.MODELS) == tuple(bench_flags.BATCH_SIZES) and realsize.BATCH_SIZES is bench_flags.BATCH_SIZES
     assert set(bench_flags.GPU_MODELS) <= set(realsize.MODELS)
 
 

@@ -96,6 +96,11 @@ def read_flags(argv, prog):
     return flags_parser(prog)(argv)
 
 
+def run_read(main, argv):
+    """`app.run(main)` for flags `read_flags` has read already into `argv` (no second parse)."""
+    app.run(main, argv=argv, flags_parser=lambda _: argv)
+
+
 @contextlib.contextmanager
 def sigterm_exits_75(model_dir):
     """SIGTERM at any moment raises `Preempted` (exit 75). While training, `tfmp.fit`

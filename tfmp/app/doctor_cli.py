@@ -8,7 +8,7 @@ import os
 import tempfile
 
 import keras
-from absl import app, flags
+from absl import flags
 
 from tfmp import cli, data, doctor, files, float8, precision
 from tfmp.app import models, training
@@ -91,8 +91,3 @@ def main(argv):
             json_path, png_path = run_diagnosis().save(FLAGS.output_dir)
             path = f"{json_path} and {png_path}"
         print(f"wrote {path}")
-
-
-def run(argv):
-    """The command, its flags already read into `argv` by `tfmp/doctor/__main__.py`."""
-    app.run(main, argv=argv, flags_parser=lambda _: argv)

@@ -26,4 +26,4 @@ bench_flags.check()
 
 from tfmp.bench import bench_cli  # noqa: E402 - TensorFlow loads here.
 
-bench_cli.run(ARGV)
+cli.run_read(bench_cli.main, ARGV)

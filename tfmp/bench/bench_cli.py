@@ -5,7 +5,7 @@ import os
 import time
 
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 from tfmp import files, precision
 from tfmp.app.config import JIT_COMPILE
@@ -172,8 +172,3 @@ def main(argv):
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     _write(result, rows)
-
-
-def run(argv):
-    """The command, its flags already read into `argv`."""
-    app.run(main, argv=argv, flags_parser=lambda _: argv)

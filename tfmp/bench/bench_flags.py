@@ -11,9 +11,9 @@ from tfmp.app.config import JIT_COMPILE
 
 FLAGS = flags.FLAGS
 BUNDLED_BATCH = 256
-REAL_SIZE = ("resnet50", "bert_base", "encoder_4096")  # tfmp.bench.realsize's models, on synthetic data.
+# tfmp.bench.realsize's models (on synthetic data), by name: their default batch sizes, the GPU sizes.
+BATCH_SIZES = {"resnet50": 128, "bert_base": 64, "encoder_4096": 64}
 GPU_MODELS = ("resnet50", "bert_base")  # The bench's default on a GPU.
-BATCH_SIZES = {"resnet50": 128, "bert_base": 64, "encoder_4096": 64}  # Their defaults, the GPU sizes.
 
 
 def define():
@@ -94,7 +94,7 @@ def check():
     unknown = [p for p in FLAGS.policies if p not in choices.POLICIES or p == "auto"]
     if unknown:
         cli.error("bench", f"unknown policy {unknown[0]!r}; choose from {', '.join(choices.POLICIES[1:])}")
-    known = [*bundled.MODELS, *REAL_SIZE]
+    known = [*bundled.MODELS, *BATCH_SIZES]
     unknown = [m for m in FLAGS.models or () if m not in known]
     if unknown:
         cli.error("bench", f"unknown model {unknown[0]!r}; choose from {', '.join(known)}")

@@ -21,4 +21,4 @@ cli.quiet_start(sys.argv, "tfmp.doctor")  # TensorFlow loads here, its C++ start
 
 from tfmp.app import doctor_cli  # noqa: E402
 
-doctor_cli.run(ARGV)
+cli.run_read(doctor_cli.main, ARGV)
