@@ -10,9 +10,9 @@ import time
 
 import pytest
 from absl import flags
-from conftest import GPUS, REPO
+from conftest import GPUS, REPO, entry_point_process
 
-from tfmp.bench import float8_hlo, gpu_report, gpu_tables, pytorch
+from tfmp.bench import float8_hlo, gpu_flags, gpu_parts, gpu_tables, pytorch
 
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
 if GPUS:  # Tiny stand-ins: XLA's autotuning of each GEMM and convolution (Triton's configurations
@@ -45,8 +45,8 @@ def test_smoke_runs_every_part_and_writes_the_report(tmp_path):
     result = _report(tmp_path, "--part=all", timeout=330 if GPUS else 600)
     assert result.returncode == 0, result.stderr[-3000:]
     print(f"smoke report: {time.monotonic() - started:.0f} s")
-    parts = {n: json.loads((tmp_path / f"part{n}.json").read_text()) for n in gpu_report.PARTS}
-    for number, part in gpu_report.PARTS.items():
+    parts = {n: json.loads((tmp_path / f"part{n}.json").read_text()) for n in gpu_flags.PARTS}
+    for number, part in gpu_flags.PARTS.items():
         if part.pytorch or part.float8_hlo:
             continue
         cells = {(c["precision"], c["loop"]): c for c in parts[number]["cells"]}
@@ -95,23 +95,26 @@ def test_a_part_warms_no_fit_past_its_budget(tmp_path):
     assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(float8_hlo.VARIANTS)
 
 
-@pytest.mark.slow  # Four processes that start TensorFlow to refuse a flag: 25-40 s.
-def test_bad_flags_are_refused_naming_the_flag(tmp_path):
-    result = _report(tmp_path, "--part=12", timeout=120)
-    assert result.returncode == 2 and "--part=12: choose 1, 2, 3, 4, 5, 6, 7, 8 or all" in result.stderr
-    result = _report(tmp_path, "--part=1", "--pytorch=/no/such/python", timeout=120)
-    assert result.returncode == 2 and "--pytorch=/no/such/python: not an executable Python" in result.stderr
-    result = _report(tmp_path, "--part=4", "--precisions=mixed_bfloat16,float8", timeout=120)
+def test_bad_flags_are_refused_naming_the_flag_before_tensorflow_loads():
+    def refused(*flags):
+        run = "runpy.run_module('tfmp.bench.gpu_report', run_name='__main__', alter_sys=True)"
+        result = entry_point_process(run, *flags)
+        assert result.returncode == 2 and result.stdout == "tensorflow loaded: False\n", result
+        return result.stderr
+
+    assert refused("--part=12") == "gpu_report: error: --part=12: choose 1, 2, 3, 4, 5, 6, 7, 8 or all\n"
+    assert refused() == "gpu_report: error: --part is needed: choose 1, 2, 3, 4, 5, 6, 7, 8 or all\n"
+    assert "--pytorch=/no/such/python: not an executable Python" in refused("--part=1", "--pytorch=/no/such/python")
     trains = "float32, mixed_float16, mixed_bfloat16, bfloat16"
-    assert result.returncode == 2 and f"--precisions=mixed_bfloat16,float8: --part=4 trains {trains}" in result.stderr
-    result = _report(tmp_path, "--part=1", "--rounds=0", timeout=120)  # absl's own check: one line, as tfmp's.
-    assert result.returncode == 2 and result.stderr.endswith(
-        "gpu_report: error: flag --rounds=0: 0 is not a positive integer\n"
-    )
+    result = refused("--part=4", "--precisions=mixed_bfloat16,float8")
+    assert f"--precisions=mixed_bfloat16,float8: --part=4 trains {trains}" in result
+    assert "trains no precisions (a probe, or PyTorch)" in refused("--part=5", "--precisions=float8")
+    # absl's own check: one line, as tfmp's.
+    assert refused("--part=1", "--rounds=0") == "gpu_report: error: flag --rounds=0: 0 is not a positive integer\n"
 
 
 def test_the_log_says_what_is_still_running_when_quiet(tmp_path):
-    log = gpu_report.Log(str(tmp_path / "report.log"), quiet=0.2)
+    log = gpu_parts.Log(str(tmp_path / "report.log"), quiet=0.2)
     log("compiling", doing="compiling resnet50")
     time.sleep(6)  # The watchdog looks every 5 s.
     log.close()
@@ -151,7 +154,7 @@ def test_goals_are_judged_from_the_figures():
         ],
         **versions,
     }
-    report = gpu_tables.markdown([speed, float8], gpu_report.PARTS)
+    report = gpu_tables.markdown([speed, float8], gpu_flags.PARTS)
     assert "2 of 3 cells; below: bert_base adam mixed_bfloat16 1.02" in report
     assert "bert_base adam mixed_bfloat16: 1.90x float32, the matmul peaks' ratio 2.00x: met" in report
     assert "bert_base adam mixed_float16: 1.70x float32, the matmul peaks' ratio 2.00x: missed" in report
@@ -164,8 +167,8 @@ def test_goals_are_judged_from_the_figures():
 def test_loops_take_turns_to_warm_first_and_the_cold_first_step_is_marked():
     """XLA keeps its GEMM and convolution autotuning for the process: a precision's second
     fit compiles faster than its first, so the loops alternate and the table says which was cold."""
-    part = gpu_report.PARTS[1]
-    orders = [gpu_report._warm_order(part, policy) for policy in part.precisions]
+    part = gpu_flags.PARTS[1]
+    orders = [gpu_parts._warm_order(part, policy) for policy in part.precisions]
     assert [order[0] for order in orders] == ["tfmp", "keras", "tfmp"][: len(orders)]
     assert all(sorted(order) == ["keras", "tfmp"] for order in orders)
     versions = {"device": "GPU", "tensorflow": "2", "keras": "3", "python": "3", "created": "now"}
@@ -177,7 +180,7 @@ def test_loops_take_turns_to_warm_first_and_the_cold_first_step_is_marked():
         },
         {**_cell("resnet50", "sgd", "float32", "keras", 90), "first_step_seconds": 25, "warmed_first": False},
     ]
-    report = gpu_tables.markdown([{"part": 1, "cells": cells, **versions}], gpu_report.PARTS)
+    report = gpu_tables.markdown([{"part": 1, "cells": cells, **versions}], gpu_flags.PARTS)
     assert "| 60* / 25 |" in report and "* marks the fit of a precision that warmed first" in report
 
 

@@ -1,4 +1,4 @@
-"""What `tfmp.bench.gpu_report` writes: report.md from the parts' figures, with the goals
+"""What `python -m tfmp.bench.gpu_report` writes: report.md from the parts' figures, with the goals
 the figures are judged by, and the versions that name the setup."""
 
 import platform
@@ -7,6 +7,8 @@ import time
 
 import keras
 import tensorflow as tf
+
+from tfmp.bench import gpu_flags
 
 VERSUS_KERAS_GOAL = 1.05  # tfmp.fit / Keras fit, every cell.
 SHARE_OF_PEAK_GOAL = 0.9  # A mixed policy's speedup over float32 / the peaks' ratio for its kind of model.
@@ -74,7 +76,7 @@ def _gib(cell):
     return _number(cell.get("peak_memory_mb") and cell["peak_memory_mb"] / 1024, ".1f")
 
 
-ORDER = ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16", "float8")
+ORDER = gpu_flags.ORDER
 
 
 def _speed_table(cells):

@@ -1,10 +1,7 @@
-"""One command for tfmp's GPU claims, in parts of at most 9 minutes each.
+"""What `python -m tfmp.bench.gpu_report` runs once its flags are read (`gpu_flags`): tfmp's GPU
+claims, in parts of at most 9 minutes each.
 
-    python -m tfmp.bench.gpu_report --part=1 --output_dir=gpu_report   # then --part=2 ... 8
-    python -m tfmp.bench.gpu_report --part=4 --precisions=mixed_bfloat16   # one row of a part
-    python -m tfmp.bench.gpu_report --part=all --smoke                  # the same code path on a CPU, tiny
-
-Parts (`PARTS`): 1-2 ResNet-50 (batch 128) with SGD with momentum, then Adam; 3-4
+Parts (`gpu_flags.PARTS`): 1-2 ResNet-50 (batch 128) with SGD with momentum, then Adam; 3-4
 BERT-base (batch 64) likewise, pure bfloat16 among the precisions; 5 which GEMMs of a
 float8 step XLA makes float8 and how fast a large float8 Dense step is (`float8_hlo`,
 under a few XLA_FLAGS, XLA's HLO after every pass kept); 6 float8 on BERT-base against
@@ -40,78 +37,16 @@ import time  # noqa: E402
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
-from tfmp import bf16, callbacks, cli, files, gradients, precision, timing  # noqa: E402
-from tfmp.bench import float8_hlo, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
+from tfmp import bf16, callbacks, files, gradients, precision, timing  # noqa: E402
+from tfmp.bench import float8_hlo, gpu_flags, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
-MIXED = ("float32", "mixed_float16", "mixed_bfloat16")
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One part: `model` trained with `optimizer` under each of `precisions`.
-
-    Args:
-        together: whether all its fits are held at once and timed in alternating rounds;
-            False for models too large for that (each precision's pair alone).
-        peaks: time the matmul and conv peaks first.
-        float8_hlo: instead, which GEMMs XLA makes float8, and a float8 Dense step's speed,
-            under each of `float8_hlo.VARIANTS`.
-        pytorch: PyTorch AMP's rows for these models (each: both optimizers) instead.
-    """
-
-    model: str = ""
-    optimizer: str = "adam"
-    precisions: tuple = ()
-    together: bool = True
-    peaks: bool = False
-    float8_hlo: bool = False
-    pytorch: tuple = ()
-
-
-PARTS = {
-    1: Part("resnet50", "sgd", MIXED, peaks=True),
-    2: Part("resnet50", "adam", MIXED),
-    3: Part("bert_base", "sgd", (*MIXED, "bfloat16")),
-    4: Part("bert_base", "adam", (*MIXED, "bfloat16")),
-    5: Part(float8_hlo=True),
-    6: Part("bert_base", "adam", ("mixed_bfloat16", "float8")),
-    7: Part("encoder_4096", "adam", ("mixed_bfloat16", "float8"), together=False),
-    8: Part(pytorch=("resnet50", "bert_base")),
-}
 LOOPS = gpu_tables.LOOP_NAMES
 BUDGET_SPENT = "not run: the part's budget was spent"
 SMOKE_PEAK_SIZES = {"matmul": 256, "conv": {"batch": 2, "size": 16, "channels": 8}}
 
 FLAGS = flags.FLAGS
-
-
-def define_flags():
-    """The command's flags, defined when it runs (not on import: tests import this module
-    beside train.py's flags)."""
-    flags.DEFINE_string("part", None, f"Which part to run: {', '.join(map(str, PARTS))} or all.")
-    flags.DEFINE_string("output_dir", "gpu_report", "Where part<N>.json, report.md and report.log go.")
-    flags.DEFINE_bool("smoke", False, "Tiny stand-ins of the models, batch 4, a few steps: the code path on a CPU.")
-    flags.DEFINE_float(
-        "budget_seconds",
-        450.0,
-        "A part warms no new fit after this many seconds (the last warm-up and rounds end within 9 min).",
-        lower_bound=0.0,
-    )
-    flags.DEFINE_integer(
-        "warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.", lower_bound=1
-    )
-    flags.DEFINE_integer("rounds", 3, "Alternating rounds after the warm-up.", lower_bound=1)
-    flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
-    flags.DEFINE_integer("steps_per_turn", None, "Steps a fit's turn (default: 5 on a GPU, 1 on a CPU).", lower_bound=1)
-    flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
-    flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
-    flags.DEFINE_list(
-        "precisions",
-        [],
-        "Only these of a part's precisions (comma-separated; empty: all). The others are listed as not run.",
-    )
 
 
 class Log:
@@ -301,7 +236,7 @@ def _pytorch_rows(part, log, began):
                 continue
             log(f"pytorch {name} {optimizer}: a subprocess in {python}", doing=f"timing pytorch {name} {optimizer}")
             found, facts = pytorch.rates(
-                python, MIXED, batch, FLAGS.rounds, 4.0, FLAGS.max_steps, timeout=_left(began),
+                python, gpu_flags.MIXED, batch, FLAGS.rounds, 4.0, FLAGS.max_steps, timeout=_left(began),
                 model=name, optimizer=optimizer, smoke=FLAGS.smoke, say=log,
             )  # fmt: skip
             if found is None:
@@ -315,7 +250,7 @@ def _pytorch_rows(part, log, began):
 
 def run_part(number, log):
     """Runs part `number`; its figures go to part<number>.json."""
-    part = PARTS[number]
+    part = gpu_flags.PARTS[number]
     began = time.perf_counter()
     result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
     result.update(grouped_norm=FLAGS.grouped_norm, steps_per_turn=FLAGS.steps_per_turn or lockstep.steps_per_turn())
@@ -324,8 +259,8 @@ def run_part(number, log):
         sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()
         log("timing the matmul and conv peaks per dtype", doing="timing peaks")
         result["peaks"] = {
-            "matmul": measure.matmul_peaks(MIXED, sizes["matmul"], budget_seconds=20.0),
-            "conv": measure.conv_peaks(MIXED, **sizes["conv"], budget_seconds=20.0),
+            "matmul": measure.matmul_peaks(gpu_flags.MIXED, sizes["matmul"], budget_seconds=20.0),
+            "conv": measure.conv_peaks(gpu_flags.MIXED, **sizes["conv"], budget_seconds=20.0),
         }
         for op, peaks in result["peaks"].items():
             log(f"{op} peak: " + ", ".join(f"{p} {v['flops'] / 1e12:.1f} TFLOP/s" for p, v in peaks.items()))
@@ -359,42 +294,24 @@ def _describe(part):
 
 
 def main(argv):
-    del argv
-    wanted = list(PARTS) if FLAGS.part == "all" else [int(FLAGS.part)] if (FLAGS.part or "").isdigit() else None
-    if not wanted or any(n not in PARTS for n in wanted):
-        print(f"gpu_report: error: --part={FLAGS.part}: choose {', '.join(map(str, PARTS))} or all", file=sys.stderr)
-        sys.exit(2)
-    if FLAGS.pytorch not in ("auto", "off") and not os.access(FLAGS.pytorch, os.X_OK):
-        print(f"gpu_report: error: --pytorch={FLAGS.pytorch}: not an executable Python (or auto, off)", file=sys.stderr)
-        sys.exit(2)
-    trained = {p for n in wanted for p in PARTS[n].precisions}
-    if FLAGS.precisions and not set(FLAGS.precisions) <= trained:
-        trains = ", ".join(p for p in gpu_tables.ORDER if p in trained) or "no precisions (a probe, or PyTorch)"
-        chosen = ",".join(FLAGS.precisions)
-        print(f"gpu_report: error: --precisions={chosen}: --part={FLAGS.part} trains {trains}", file=sys.stderr)
-        sys.exit(2)
+    del argv  # The flags were read and checked (gpu_flags) before TensorFlow loaded.
     if FLAGS.smoke:
         FLAGS.warmup_steps, FLAGS.rounds, FLAGS.max_steps = min(FLAGS.warmup_steps, 3), min(FLAGS.rounds, 2), 3
     gradients.GROUPED = {"auto": None, "on": True, "off": False}[FLAGS.grouped_norm]
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     log = Log(os.path.join(FLAGS.output_dir, "report.log"))
-    for number in wanted:
+    for number in gpu_flags.wanted():
         run_part(number, log)
         parts = []
         for path in sorted(glob.glob(os.path.join(FLAGS.output_dir, "part*.json"))):
             with open(path) as f:
                 parts.append(json.load(f))
         with open(os.path.join(FLAGS.output_dir, "report.md"), "w") as f:
-            f.write(gpu_tables.markdown(parts, PARTS) + "\n")
-        log(f"wrote {FLAGS.output_dir}/report.md ({len(parts)} of {len(PARTS)} parts)")
+            f.write(gpu_tables.markdown(parts, gpu_flags.PARTS) + "\n")
+        log(f"wrote {FLAGS.output_dir}/report.md ({len(parts)} of {len(gpu_flags.PARTS)} parts)")
     log.close()
     # Everything is written. Tearing down a process that compiled dozens of XLA steps takes
     # half a minute more (measured after --part=all --smoke), time a GPU session lacks.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-if __name__ == "__main__":
-    define_flags()
-    app.run(main, flags_parser=cli.flags_parser("gpu_report"))
