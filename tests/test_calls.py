@@ -104,8 +104,9 @@ def collector_where_called():
         gc.enable()
 
 
-def _follow_iterators(monkeypatch):
-    """A list to which the name of the thread that deletes each iterator made from now on is appended."""
+def _follow_iterators(monkeypatch, kinds=None):
+    """A list to which the name of the thread that deletes each iterator made from now on is appended (and to
+    `kinds`, each one's type name as it is made)."""
     from tensorflow.python.distribute import input_lib
 
     deleted_on = []
@@ -113,6 +114,8 @@ def _follow_iterators(monkeypatch):
     def followed(make):
         def made(self):
             iterator = make(self)
+            if kinds is not None:
+                kinds.append(type(iterator).__name__)
             weakref.finalize(iterator, lambda: deleted_on.append(threading.current_thread().name))
             return iterator
 
@@ -166,3 +169,38 @@ def test_steps_dropped_without_release_delete_their_iterators_off_the_main_threa
     gc.collect()
     assert [ref() for ref in dropped] == [None, None]
     assert deleted_on and set(deleted_on) == {calls.LET_GO}
+
+
+class _FailsAtBatch1(keras.callbacks.Callback):
+    def __init__(self, hook):
+        super().__init__()
+        setattr(self, hook, self.fail)
+
+    def fail(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("a callback's error")
+
+
+@pytest.mark.usefixtures("collector_where_called")
+@pytest.mark.parametrize("hook", ["on_train_batch_end", "on_test_batch_end"], ids=["training", "validation"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_error_out_of_a_fit_leaves_its_iterators_in_no_frame_of_its_traceback(replicas, hook, mirrored, monkeypatch):
+    """An error out of tfmp.fit (here a callback's, in training or in validation; Ctrl-C's Interrupted comes from
+    the same loops) keeps the frames it passed in its traceback, and a notebook keeps that traceback: the fit's
+    iterators are in none of them, so that they are deleted as the fit ends, on threads of their own, while the
+    error is still held (not later, wherever the traceback is freed, waiting out tf.data's tuning thread there)."""
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    made = []
+    deleted_on = _follow_iterators(monkeypatch, made)
+    x = np.random.default_rng(0).random((64, 8), dtype=np.float32)
+    data = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8).prefetch(tf.data.AUTOTUNE)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    with pytest.raises(RuntimeError, match="a callback's error") as raised:
+        tfmp.fit(
+            model, data, epochs=2, validation_data=data, strategy=strategy, callbacks=[_FailsAtBatch1(hook)], verbose=0
+        )
+    _let_go_threads_end()
+    assert raised.value.__traceback__ is not None  # Held, with every frame it passed.
+    assert made and deleted_on == [calls.LET_GO] * len(made), made

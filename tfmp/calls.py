@@ -186,6 +186,20 @@ def let_go(held):
         held.clear()
 
 
+class LetGo:
+    """`with LetGo(iterator) as held:` the list `[iterator]` for the block, then `let_go` of it, however the block
+    ends: an error's traceback keeps the block's frame, whose `held` is then empty, not the iterator."""
+
+    def __init__(self, iterator):
+        self.held = [iterator]
+
+    def __enter__(self):
+        return self.held
+
+    def __exit__(self, *error):
+        let_go(self.held)
+
+
 def let_go_of(kept):
     """Empties `kept`, a dict of `Direct` calls: each call's iterator on a thread of its own (`Direct.let_go`), the
     calls at once (so that their model can go)."""

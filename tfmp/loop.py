@@ -258,7 +258,8 @@ def fit(
                 raise
             raise PeerLost(guards.peer_message(e, saver)) from e
         finally:  # The fit's iterators end with it, as Keras fit's do (kept, each held its prefetched batches and
-            steps.release()  # tf.data's tuning thread), deleted on a thread of their own: `calls.let_go`.
+            run.iterator = None  # tf.data's tuning thread), deleted on a thread of their own (`calls.let_go`), an
+            steps.release()  # error's traceback or not: deleted where it is freed, one may wait up to a minute.
 
 
 def prepare(

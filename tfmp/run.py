@@ -83,6 +83,9 @@ class Run:
         self.log_dir, self.log_every = log_dir, log_every
         self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
         self.monitor = None
+        # The training input's iterator: an attribute, not a local, so that an error's traceback (Ctrl-C's
+        # Interrupted kept by a notebook) holds no frame that holds it; tfmp.fit drops it as it ends (`let_go`).
+        self.iterator = None
         self.step = 0  # Batches trained, over all epochs.
         self.validation_ran_out = False
         # Several workers agree on a stop (`_stops`): after each update where a callback has batch hooks.
@@ -115,15 +118,15 @@ class Run:
         offset = position - source.position(epoch, 0)  # Batches into this epoch.
         self.step = step
         self.monitor = self._monitor(step)
-        iterator = source.stream(source.position(epoch, offset)) if source.streamed else None
+        self.iterator = source.stream(source.position(epoch, offset)) if source.streamed else None
         stop, handler = guards.Stop(), guards.preemption_handler(steps.strategy, self.saver)
         epoch_logs = {}
         with guards.signals_set(stop, self.saver is not None and handler is None):
             while epoch < epochs and not model.stop_training:
                 self._begin_epoch(epoch, offset)
                 if not source.streamed:
-                    iterator = source.epoch(offset)
-                logs, done = self._train_epoch(iterator, epoch, offset, stop, handler, checkpoint_every)
+                    self.iterator = source.epoch(offset)
+                logs, done = self._train_epoch(epoch, offset, stop, handler, checkpoint_every)
                 # Loss-scaled, the update was skipped and nothing else shows it. (One worker: all stop alike.)
                 starved = distribute.num_workers(steps.strategy) == 1 and distribute.starved_statistics(
                     model, steps.strategy
@@ -155,7 +158,7 @@ class Run:
                     # Batches past the last whole update (a length that grad_accum_steps
                     # does not divide) are drawn and left out: every epoch starts on time.
                     for _ in range(source.period - done):
-                        if next(iterator, None) is None:  # (The next epoch then gets none.)
+                        if next(self.iterator, None) is None:  # (The next epoch then gets none.)
                             break
                 epoch_logs = dict(logs or steps.results())
                 if self.val_input is not None and validates(epoch, validation_freq):
@@ -265,7 +268,7 @@ class Run:
         self.callbacks.on_test_end(logs)
         return {f"val_{k}": v for k, v in logs.items()}
 
-    def _train_epoch(self, iterator, epoch, offset, stop, handler, checkpoint_every):
+    def _train_epoch(self, epoch, offset, stop, handler, checkpoint_every):
         """Trains one epoch from batch `offset`; returns the last logs and the batches done.
 
         The device is never left waiting for the host: an update's outputs are read (one
@@ -284,7 +287,7 @@ class Run:
             updates = k if total is not None and total - done >= k * n and not may_end else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                packed = steps.dispatch(iterator, updates, gated=may_end)
+                packed = steps.dispatch(self.iterator, updates, gated=may_end)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.

@@ -386,14 +386,13 @@ class Steps:
             if self.strategy.num_replicas_in_sync > 1 or distribute.num_workers(self.strategy) > 1:
                 dataset = self.strategy.experimental_distribute_dataset(dataset)
         test = calls.OfBatches(self._test, getattr(dataset, "element_spec", None))  # (Called directly.)
-        held = [iter(dataset)]  # Deleted on a thread of its own at the end (`calls.let_go`).
-        for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
-            callbacks.on_test_batch_begin(i)
-            if self._first_call(test, batch) is _FAILED:  # XLA failed to compile: the same batch without it.
-                test = calls.OfBatches(self._test, test.spec)
-                test(batch)
-            callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
-            if self.model.stop_evaluating:
-                break
-        calls.let_go(held)
+        with calls.LetGo(iter(dataset)) as held:  # Deleted on a thread of its own at the end, an error's or not.
+            for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
+                callbacks.on_test_batch_begin(i)
+                if self._first_call(test, batch) is _FAILED:  # XLA failed to compile: the same batch without it.
+                    test = calls.OfBatches(self._test, test.spec)
+                    test(batch)
+                callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
+                if self.model.stop_evaluating:
+                    break
         return self.results()
