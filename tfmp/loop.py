@@ -257,9 +257,9 @@ def fit(
             if distribute.num_workers(strategy) < 2:
                 raise
             raise PeerLost(guards.peer_message(e, saver)) from e
-        finally:  # The fit's iterators end with it, as Keras fit's do (kept, each held its prefetched batches and
-            run.iterator = None  # tf.data's tuning thread), deleted on a thread of their own (`calls.let_go`), an
-            steps.release()  # error's traceback or not: deleted where it is freed, one may wait up to a minute.
+        finally:  # The fit's iterators end with it, error or not, as Keras fit's do, each deleted on a thread of
+            run.iterator = None  # its own (`calls.let_go`: deleting one may wait up to a minute); none is left to
+            steps.release()  # an error's traceback, which a notebook keeps, with its prefetched batches.
 
 
 def prepare(
