@@ -76,14 +76,11 @@ def _gib(cell):
     return _number(cell.get("peak_memory_mb") and cell["peak_memory_mb"] / 1024, ".1f")
 
 
-ORDER = gpu_flags.ORDER
-
-
 def _speed_table(cells):
     """Parts 1-4: each precision, tfmp.fit against Keras fit (and PyTorch AMP)."""
     keys = sorted(
         {(c["model"], c["optimizer"], c["precision"]) for c in cells if c["loop"] != "pytorch"},
-        key=lambda k: (k[0], k[1], ORDER.index(k[2])),
+        key=lambda k: (k[0], k[1], gpu_flags.ORDER.index(k[2])),
     )
     lines = [
         "| model | optimizer | precision | tfmp.fit ex/s | Keras fit ex/s | tfmp/Keras | vs float32 | "
@@ -120,7 +117,7 @@ def _float8_table(cells):
         "| model | precision | loop | ex/s | vs mixed_bfloat16 | tfmp/Keras | peak GiB | first step s | final loss |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in sorted(cells, key=lambda c: (c["model"], ORDER.index(c["precision"]), c["loop"])):
+    for c in sorted(cells, key=lambda c: (c["model"], gpu_flags.ORDER.index(c["precision"]), c["loop"])):
         lines.append(
             f"| {c['model']} | {c['precision']} | {LOOP_NAMES[c['loop']]} | {_number(c.get('examples_per_second'))} | "
             f"{_versus_bfloat16(cells, c)} | {_ratio(c, 'vs_keras')} | {_gib(c)} | "
