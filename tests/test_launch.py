@@ -46,15 +46,26 @@ def alive(pid):
         return False
 
 
-def start(*args, options=()):
+def start(*args, options=(), env=ENV):
     return subprocess.Popen(
         [sys.executable, "-m", "tfmp.launch", *options, SCRIPT, *map(str, args)],
         cwd=REPO,
-        env=ENV,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def batches_trained(pid):
+    """The batch count a launcher's worker `pid` last reported (its progress file), 0 before any."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    try:
+        with open(env[launch.PROGRESS_ENV.encode()]) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
 
 
 def wait_for(path, process, timeout=180):
@@ -108,6 +119,12 @@ def test_stopped_workers_end_the_job_after_the_stall_timeout(tmp_path):
     )
     wait_for(tmp_path / "ckpt" / "checkpoint", launcher)
     workers = children(launcher.pid)
+    # Stopped as they train, past the first epoch's end: its validation pass compiles a step,
+    # which on a loaded machine (a GPU's, with XLA) took longer than the 8 s themselves.
+    deadline = time.time() + 120
+    while time.time() < deadline and min(batches_trained(pid) for pid in workers) <= 4:
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
     # Every worker stopped (a hung file system, say): no worker can notice a lost peer, so
     # only the launcher's stall timeout ends the job. With one worker stopped, the other's
     # collective may time out first and end the job as PeerLost (exit 76) instead.
@@ -119,6 +136,15 @@ def test_stopped_workers_end_the_job_after_the_stall_timeout(tmp_path):
     lines = [line for line in err.splitlines() if "no worker finished a step for 8 s" in line]
     assert len(lines) == 1 and "worker 0 (stopped" in lines[0] and "worker 1 (stopped" in lines[0], err[-3000:]
     assert not any(alive(pid) for pid in workers)
+
+
+def test_a_validation_pass_longer_than_the_stall_timeout_is_no_stall(tmp_path):
+    # Each of its 2 batches takes 8 s more: no step for 16 s, where the stall timeout is 12.
+    env = {**ENV, "USER_SCRIPT_VALIDATION_SECONDS": "8"}
+    launcher = start(tmp_path / "w{worker}.npz", options=["--workers=2", "--stall_timeout=12"], env=env)
+    _, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, err[-3000:]
+    assert (tmp_path / "w1.npz").exists()
 
 
 def test_sigterm_to_the_launcher_checkpoints_exits_75_and_a_rerun_resumes(tmp_path, one_process):

@@ -10,6 +10,7 @@ batch (or epoch) N, as a callback with a time limit might.
 USER_SCRIPT_CALLBACKS=DIR adds Keras' file-writing callbacks, all writing under DIR: ModelCheckpoint
 (DIR/w.weights.h5, every 2 batches), CSVLogger (DIR/log.csv), TensorBoard (DIR/tb), BackupAndRestore
 (DIR/backup, every 2 batches, kept).
+USER_SCRIPT_VALIDATION_SECONDS=S sleeps S seconds after each batch of the first validation pass.
 USER_SCRIPT_JIT_COMPILE=1 (or 0) sets tfmp.fit's jit_compile (default "auto"); USER_SCRIPT_CLIPNORM its
 clipnorm (default 1.0).
 Each of these settings may hold one value per worker, split by "|" (`float32|mixed_bfloat16`: worker 0's, then
@@ -93,6 +94,20 @@ class Slow(keras.callbacks.Callback):
         time.sleep(self.seconds)
 
 
+class SlowValidation(keras.callbacks.Callback):
+    """Sleeps `seconds` after each batch of the first validation pass."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_test_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
+
+    def on_test_end(self, logs=None):
+        self.seconds = 0.0
+
+
 def stop_on_worker_0(index, when):
     """A callback that stops training on worker `index` 0 only, at the end of batch or epoch N (`when`)."""
     hook, at = when.split(":")
@@ -145,6 +160,8 @@ if __name__ == "__main__":
     else:  # Validation of unknown length (filter): fine on several workers too.
         given = {"data": data(batch), "validation_data": data(batch).take(2).filter(lambda x, y: True)}
     callbacks = [Slow(seconds)]
+    if "USER_SCRIPT_VALIDATION_SECONDS" in os.environ:
+        callbacks.append(SlowValidation(float(os.environ["USER_SCRIPT_VALIDATION_SECONDS"])))
     if "USER_SCRIPT_STOP" in os.environ:
         callbacks = [stop_on_worker_0(index, os.environ["USER_SCRIPT_STOP"])]
     elif "USER_SCRIPT_CALLBACKS" in os.environ:

@@ -70,6 +70,26 @@ def peak_memory_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB.
 
 
+class Heartbeat(keras.callbacks.Callback):
+    """Renews a worker's progress file (python -m tfmp.launch's) at each validation batch: its
+    time, not its count, which stays the training's batches. A validation pass longer than the
+    launcher's `--stall_timeout` is then no stall, where a hung collective in it still is."""
+
+    async_safe = True
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def on_test_batch_begin(self, batch, logs=None):
+        try:
+            os.utime(self.path)
+        except OSError:  # No step yet in this process: the launcher's start-up limit still applies.
+            pass
+
+    on_test_batch_end = on_test_batch_begin
+
+
 def overrides(callbacks, hook, ignore=()):
     """Whether one of `callbacks` (Keras callbacks), not of the types `ignore`, has a `hook` of its own: by its
     class, or set on the callback itself (a LambdaCallback's hooks are)."""
@@ -79,7 +99,7 @@ def overrides(callbacks, hook, ignore=()):
 
 
 # Keras' and tfmp's own callbacks whose batch hooks only show or time what happened.
-BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, Throughput)
+BEHIND_SAFE = (keras.callbacks.ProgbarLogger, keras.callbacks.History, Throughput, Heartbeat)
 # Those whose batch hooks never stop training (these exactly, not a subclass).
 _NEVER_STOP = (
     *BEHIND_SAFE,

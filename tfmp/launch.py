@@ -10,8 +10,9 @@ chief's stdout and stderr in full, the others' stderr. When a worker exits with 
 or is killed, the others get SIGTERM, then SIGKILL after `--grace_seconds`; the launcher
 exits with the first failure's status and one line saying which worker ended how.
 SIGTERM or Ctrl-C to the launcher is passed to every worker (they checkpoint and exit 75).
-A job in which no worker finishes a step for `--stall_timeout` seconds (or a first step
-within `--startup_timeout`) is ended too, naming each worker's state and progress.
+A job in which no worker finishes a step for `--stall_timeout` seconds (a training step, or
+a batch of a validation pass; or a first step within `--startup_timeout`) is ended too,
+naming each worker's state and progress.
 Rerunning the same command resumes from the chief's checkpoint.
 
 The launcher imports neither TensorFlow nor Keras.
@@ -28,7 +29,8 @@ import tempfile
 import threading
 import time
 
-PROGRESS_ENV = "TFMP_PROGRESS_FILE"  # tfmp.fit writes its batch count there after each step.
+# tfmp.fit writes its batch count there after each step, and renews its time at each validation batch.
+PROGRESS_ENV = "TFMP_PROGRESS_FILE"
 STALLED = 124  # Exit status of a job ended for making no progress.
 
 

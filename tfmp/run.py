@@ -70,8 +70,10 @@ class Run:
     def __init__(self, model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose):
         self.model, self.steps, self.input, self.val_input, self.saver = model, steps, train_input, val_input, saver
         self.n = steps.grad_accum_steps
+        self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
+        heartbeat = [tfmp_callbacks.Heartbeat(self.progress_path)] if self.progress_path else []
         self.callbacks = keras.callbacks.CallbackList(
-            callbacks,
+            [*heartbeat, *(callbacks or [])],
             add_history=True,
             add_progbar=verbose != 0,
             verbose=verbose,
@@ -81,7 +83,6 @@ class Run:
         )
         self.callbacks.set_params({**self.callbacks.params, "jit_compile": steps.jit_compile})
         self.log_dir, self.log_every = log_dir, log_every
-        self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
         self.monitor = None
         # The training input's iterator: an attribute, not a local, so that an error's traceback (Ctrl-C's
         # Interrupted kept by a notebook) holds no frame that holds it; tfmp.fit drops it as it ends (`let_go`).
