@@ -26,6 +26,8 @@ def _batch(name, n=4):
 
 def test_registry_is_complete():
     assert set(models.MODELS) == {"cnn", "resnet", "lstm", "transformer"}
+    for name, entry in models.MODELS.items():  # help() on a build, before its module loads, says where it is.
+        assert entry.build.__qualname__ == f"{name}.build" and f"tfmp.app.models.{name}.build`" in entry.build.__doc__
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -27,6 +27,8 @@ def _build_of(module):
     def build(*args, **kwargs):
         return importlib.import_module(f"{__name__}.{module}").build(*args, **kwargs)
 
+    build.__qualname__ = f"{module}.build"
+    build.__doc__ = f"`{__name__}.{module}.build`, imported on its first call: its docstring has the arguments."
     return build
 
 
