@@ -122,8 +122,9 @@ def test_stopped_workers_end_the_job_after_the_stall_timeout(tmp_path):
     # Stopped as they train, past the first epoch's end: its validation pass compiles a step,
     # which on a loaded machine (a GPU's, with XLA) took longer than the 8 s themselves.
     deadline = time.time() + 120
-    while time.time() < deadline and min(batches_trained(pid) for pid in workers) <= 4:
+    while min(batches_trained(pid) for pid in workers) <= 4:
         assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.time() < deadline, "a worker did not train past its first epoch in 120 s"
         time.sleep(0.05)
     # Every worker stopped (a hung file system, say): no worker can notice a lost peer, so
     # only the launcher's stall timeout ends the job. With one worker stopped, the other's
