@@ -61,11 +61,8 @@ def batches_trained(pid):
     """The batch count a launcher's worker `pid` last reported (its progress file), 0 before any."""
     with open(f"/proc/{pid}/environ", "rb") as f:
         env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    try:
-        with open(env[launch.PROGRESS_ENV.encode()]) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
+    progress = launch.read_progress(env[launch.PROGRESS_ENV.encode()])
+    return progress[0] if progress else 0
 
 
 def wait_for(path, process, timeout=180):

@@ -34,6 +34,15 @@ PROGRESS_ENV = "TFMP_PROGRESS_FILE"
 STALLED = 124  # Exit status of a job ended for making no progress.
 
 
+def read_progress(path):
+    """(batches done, time of the last step or validation batch) from a worker's progress file, or None."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0), os.path.getmtime(path)
+    except (OSError, ValueError):
+        return None
+
+
 def free_ports(n, host="127.0.0.1"):
     """`n` ports that are free on `host` now."""
     sockets = [socket.socket() for _ in range(n)]
@@ -94,11 +103,7 @@ class Worker:
     @property
     def progress(self):
         """(batches done, time of the last step) as the worker last wrote them, or None."""
-        try:
-            with open(self.progress_path) as f:
-                return int(f.read().strip() or 0), os.path.getmtime(self.progress_path)
-        except (OSError, ValueError):
-            return None
+        return read_progress(self.progress_path)
 
     @property
     def stopped(self):
