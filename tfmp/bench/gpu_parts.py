@@ -147,8 +147,8 @@ def _warm(part, policy, trainer, batch, log, first):
 
 def _rounds(held, began, log):
     """Alternating rounds over the warm fits `held`, as many steps a round (10 to
-    --max_steps) as the part's budget leaves room for: 10 even past it (3 rounds of 10 steps
-    of six ResNet-50 fits take about 10 s on an H100; of 3 steps, the rounds spread wide)."""
+    --max_steps) as the part's budget leaves room for: 10 even past it (7 rounds of 10 steps
+    of six ResNet-50 fits take about 25 s on an H100; of 3 steps, the rounds spread wide)."""
     per_step = max(sum(r.warm_step for r in held.values()), 1e-3)
     left = FLAGS.budget_seconds - (time.perf_counter() - began)
     steps = int(min(FLAGS.max_steps, max(10, 0.8 * left / FLAGS.rounds / per_step)))
