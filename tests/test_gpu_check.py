@@ -53,7 +53,7 @@ def test_refusals_say_why(tmp_path):
     result = _check()
     assert result.returncode == 2 and "name the output folder" in result.stderr
     result = _check(str(tmp_path), "resnet")
-    stages = "gpu_tests bert_adam suite resnet_sgd slow step_hlo grouped_norm resnet_rows encoder_adam"
+    stages = "gpu_tests bert_adam suite resnet_sgd slow step_hlo grouped_norm resnet_rows encoder_adam resnet_input"
     choices = f"stage resnet: choose {stages}"
     assert result.returncode == 2 and choices in result.stderr
     if GPUS:

@@ -69,6 +69,12 @@ def define():
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
     flags.DEFINE_integer("steps_per_turn", None, "Steps a fit's turn (default: 5 on a GPU, 1 on a CPU).", lower_bound=1)
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
+    flags.DEFINE_bool(
+        "input_on_device",
+        False,
+        "Both loops read the synthetic batches already on the GPU (tf.data's prefetch_to_device, 2 ahead): what a "
+        "step's copy of its input, which waits for the steps queued before it, costs each loop.",
+    )
     flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
     flags.DEFINE_list(
         "precisions",

@@ -103,8 +103,13 @@ def _error_text(error):
 
 def _model_and_data(name, batch):
     if FLAGS.smoke:
-        return realsize.SMOKE[name], realsize.synthetic(name, batch, **realsize.SMOKE_INPUTS)
-    return realsize.MODELS[name], realsize.synthetic(name, batch)
+        build, dataset = realsize.SMOKE[name], realsize.synthetic(name, batch, **realsize.SMOKE_INPUTS)
+    else:
+        build, dataset = realsize.MODELS[name], realsize.synthetic(name, batch)
+    if FLAGS.input_on_device:  # TensorFlow copies a host batch to a GPU after the steps queued before it.
+        device = "/gpu:0" if _on_gpu() else "/cpu:0"
+        dataset = dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2))
+    return build, dataset
 
 
 def _cell(part, policy, trainer):
@@ -253,7 +258,8 @@ def run_part(number, log):
     part = gpu_flags.PARTS[number]
     began = time.perf_counter()
     result = {"part": number, "smoke": FLAGS.smoke, "device": precision.device_name(), **gpu_tables.versions()}
-    result.update(grouped_norm=FLAGS.grouped_norm, steps_per_turn=FLAGS.steps_per_turn or lockstep.steps_per_turn())
+    result.update(grouped_norm=FLAGS.grouped_norm, input_on_device=FLAGS.input_on_device)
+    result.update(steps_per_turn=FLAGS.steps_per_turn or lockstep.steps_per_turn())
     log(f"part {number} on {result['device']}: {_describe(part)}", doing=f"part {number}")
     if part.peaks:
         sizes = SMOKE_PEAK_SIZES if FLAGS.smoke else measure.peak_sizes()
