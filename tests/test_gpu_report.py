@@ -95,15 +95,16 @@ def test_a_part_warms_no_fit_past_its_budget(tmp_path):
     assert [p["error"] for p in probes] == ["not run: the part's budget was spent"] * len(float8_hlo.VARIANTS)
 
 
-def test_input_on_the_device_trains_both_loops_and_the_report_says_so(tmp_path):
-    # The probe of what a step's input copy costs: both loops read batches prefetched to the device.
-    result = _report(tmp_path, "--part=7", "--precisions=mixed_bfloat16", "--input_on_device", timeout=300)
+@pytest.mark.parametrize("mode", ["both", "tfmp"])
+def test_input_on_the_device_trains_both_loops_and_the_report_says_so(tmp_path, mode):
+    # The probe of what a step's input copy costs: batches prefetched to the device, for both loops or tfmp.fit's own.
+    result = _report(tmp_path, "--part=7", "--precisions=mixed_bfloat16", f"--input_on_device={mode}", timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     part = json.loads((tmp_path / "part7.json").read_text())
-    assert part["input_on_device"] is True
+    assert part["input_on_device"] == mode
     assert [(c["loop"], "error" in c) for c in part["cells"]] == [("tfmp", False), ("keras", False)]
     assert all(c["examples_per_second"] > 0 for c in part["cells"])
-    assert "**Input on the device (part 7: --input_on_device):**" in (tmp_path / "report.md").read_text()
+    assert f"**Input on the device (part 7: --input_on_device={mode}):**" in (tmp_path / "report.md").read_text()
 
 
 def test_bad_flags_are_refused_naming_the_flag_before_tensorflow_loads():

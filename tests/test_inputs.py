@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import inputs
+from tfmp import inputs, pydata
 from tfmp.errors import UsageError
 
 ONE = tf.distribute.get_strategy
@@ -147,3 +147,40 @@ def test_features_the_model_does_not_take_are_left_unread_as_model_fit_leaves_th
         np.testing.assert_array_equal(mine.numpy(), keras_own.numpy())
     with pytest.raises(UsageError, match=r"the data's inputs are \['a', 'id'\] but the model takes \['a', 'b'\]"):
         tfmp.fit(model(), data.map(lambda x, y: ({"a": x["a"], "id": x["id"]}, y)), verbose=0)
+
+
+def test_a_stream_prefetched_to_a_device_draws_as_from_host_memory_where_it_applies(monkeypatch):
+    """`inputs.PREFETCH_TO` (a device, None by default: off until a GPU measures it) reads a training stream 2
+    batches ahead onto that device; here the CPU itself. The batches and a resumed position are the same; strings,
+    counted reads and a generator's stream stay in host memory."""
+    monkeypatch.setattr(inputs, "PREFETCH_TO", "/cpu:0")
+    source = inputs.Input(numbered(10), ONE(), None, 1, "data")
+    ds = numbered(10).repeat()
+    assert source._on_device(ds) is not ds  # noqa: SLF001 - which streams it applies to.
+    assert [first(next(source.stream(0))) for _ in range(1)] == [0]
+    resumed = source.stream(13)
+    assert [first(next(resumed)) for _ in range(3)] == [3, 4, 5]
+    words = tf.data.Dataset.from_tensor_slices((np.array(["a"] * 4), np.ones((4, 1), "float32"))).batch(2)
+    assert inputs.Input(words, ONE(), None, 1, "data")._on_device(words) is words  # noqa: SLF001
+    unknown = numbered(10).filter(lambda x, y: True)  # Unknown length under accumulation: its reads are counted.
+    counted = inputs.Input(unknown, ONE(), None, 2, "data")
+    assert counted._on_device(counted.data) is counted.data  # noqa: SLF001
+    batches = ((np.ones((2, 1), "float32"), np.ones((2, 1), "float32")) for _ in range(8))
+    generated = inputs.Input(pydata.to_dataset(batches, shuffle=False, seed=0), ONE(), 4, 1, "data")
+    assert generated._on_device(generated.data) is generated.data  # noqa: SLF001
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
+def test_a_fit_from_a_stream_prefetched_to_a_device_trains_the_same_weights(monkeypatch, jit_compile):
+    import tfmp
+
+    def fit(prefetch_to):
+        monkeypatch.setattr(inputs, "PREFETCH_TO", prefetch_to)
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        tfmp.fit(model, numbered(10), epochs=2, validation_data=numbered(4), verbose=0, jit_compile=jit_compile)
+        return [w.numpy() for w in model.weights]
+
+    for ours, host in zip(fit("/cpu:0"), fit(None), strict=True):
+        np.testing.assert_array_equal(ours, host)

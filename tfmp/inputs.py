@@ -11,6 +11,11 @@ from absl import logging
 from tfmp import distribute, keras_compat, pydata, tf_compat
 from tfmp.errors import UsageError, first_line, is_count
 
+# Where a training stream's batches are prefetched to, 2 ahead, on one device (`Input.stream`): None (host memory:
+# TensorFlow copies each batch to a GPU when its step runs, after the steps queued before it), or a device such as
+# "/gpu:0". Off until a GPU measures it (`python -m tfmp.bench.gpu_report --input_on_device=tfmp`, BENCHMARKS.md).
+PREFETCH_TO = None
+
 
 def batch_dim(element_spec):
     """The static batch size of the data's elements, or None."""
@@ -146,8 +151,19 @@ class Input:
             return self.strategy.distribute_datasets_from_function(dataset_fn)
         ds = (self.data.repeat() if repeat else self.data).skip(skip)
         if self.replicas > 1 or distribute.num_workers(self.strategy) > 1:
-            return self.strategy.experimental_distribute_dataset(ds)
-        return ds
+            return self.strategy.experimental_distribute_dataset(ds)  # Prefetched to each replica's device.
+        return self._on_device(ds) if repeat else ds
+
+    def _on_device(self, ds):
+        """`ds` prefetched to `PREFETCH_TO`, 2 batches ahead, where it is set and the reads ahead change nothing: an
+        endless stream of numbers (no strings, ragged or sparse tensors) whose reads are not counted (`_reads`)
+        and that no generator's end or PyDataset's epoch hooks follow."""
+        if PREFETCH_TO is None or self._reads is not None or self.generator or pydata.has_hooks(self._given):
+            return ds
+        specs = tf.nest.flatten(ds.element_spec)
+        if not all(type(s) is tf.TensorSpec and (s.dtype.is_floating or s.dtype.is_integer) for s in specs):
+            return ds
+        return ds.apply(tf.data.experimental.prefetch_to_device(PREFETCH_TO, buffer_size=2))
 
     def end_hooks_ran(self, epochs, timeout=pydata.END_HOOK_SECONDS):
         """Whether a PyDataset's `on_epoch_end` has run for every pass that `epochs` epochs

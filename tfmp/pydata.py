@@ -109,6 +109,11 @@ def runs_once(dataset):
     return isinstance(dataset, tf.data.Dataset) and dataset in _ONCE
 
 
+def has_hooks(dataset):
+    """Whether `dataset` was made here of a PyDataset with epoch hooks (`on_epoch_begin`, `on_epoch_end`)."""
+    return isinstance(dataset, tf.data.Dataset) and dataset in _HOOKED
+
+
 def end_hooks_ran(dataset, batches, timeout):
     """Waits until the end hook of every pass of `dataset`'s PyDataset that its first
     `batches` batches make whole has run (at most `timeout` seconds); returns whether it

@@ -69,11 +69,13 @@ def define():
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
     flags.DEFINE_integer("steps_per_turn", None, "Steps a fit's turn (default: 5 on a GPU, 1 on a CPU).", lower_bound=1)
     flags.DEFINE_string("pytorch", "auto", "Part 8's Python: auto (this one, where it has torch), off, or a path.")
-    flags.DEFINE_bool(
+    flags.DEFINE_enum(
         "input_on_device",
-        False,
-        "Both loops read the synthetic batches already on the GPU (tf.data's prefetch_to_device, 2 ahead): what a "
-        "step's copy of its input, which waits for the steps queued before it, costs each loop.",
+        "off",
+        ["off", "both", "tfmp"],
+        "Batches prefetched to the GPU, 2 ahead, not copied from host memory as each step runs (after the steps "
+        "queued before it): off; both (the dataset each loop gets, tf.data's prefetch_to_device); tfmp (tfmp.fit's "
+        "own, tfmp.inputs.PREFETCH_TO: off by default until measured so; Keras fit reads from host memory).",
     )
     flags.DEFINE_enum("grouped_norm", "auto", ["auto", "on", "off"], "tfmp's norm per shape: auto (on GPUs), on, off.")
     flags.DEFINE_list(

@@ -39,7 +39,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from absl import flags  # noqa: E402
 
-from tfmp import bf16, callbacks, files, gradients, precision, timing  # noqa: E402
+from tfmp import bf16, callbacks, files, gradients, inputs, precision, timing  # noqa: E402
 from tfmp.bench import float8_hlo, gpu_flags, gpu_tables, lockstep, measure, pytorch, realsize, runs  # noqa: E402
 
 LOOPS = gpu_tables.LOOP_NAMES
@@ -106,10 +106,13 @@ def _model_and_data(name, batch):
         build, dataset = realsize.SMOKE[name], realsize.synthetic(name, batch, **realsize.SMOKE_INPUTS)
     else:
         build, dataset = realsize.MODELS[name], realsize.synthetic(name, batch)
-    if FLAGS.input_on_device:  # TensorFlow copies a host batch to a GPU after the steps queued before it.
-        device = "/gpu:0" if _on_gpu() else "/cpu:0"
-        dataset = dataset.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2))
+    if FLAGS.input_on_device == "both":  # TensorFlow copies a host batch to a GPU after the steps queued before it.
+        dataset = dataset.apply(tf.data.experimental.prefetch_to_device(_device(), buffer_size=2))
     return build, dataset
+
+
+def _device():
+    return "/gpu:0" if _on_gpu() else "/cpu:0"
 
 
 def _cell(part, policy, trainer):
@@ -304,6 +307,7 @@ def main(argv):
     if FLAGS.smoke:
         FLAGS.warmup_steps, FLAGS.rounds, FLAGS.max_steps = min(FLAGS.warmup_steps, 3), min(FLAGS.rounds, 2), 3
     gradients.GROUPED = {"auto": None, "on": True, "off": False}[FLAGS.grouped_norm]
+    inputs.PREFETCH_TO = _device() if FLAGS.input_on_device == "tfmp" else None
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     log = Log(os.path.join(FLAGS.output_dir, "report.log"))
     for number in gpu_flags.wanted():

@@ -224,13 +224,15 @@ def markdown(parts, all_parts):
     ]
     if any(p.get("smoke") for p in parts):
         lines += ["**Smoke run: tiny stand-in models; these figures measure nothing.**", ""]
-    on_device = [str(p["part"]) for p in parts if p.get("input_on_device")]
-    if on_device:
-        lines += [
-            f"**Input on the device (part {', '.join(on_device)}: --input_on_device):** both loops read batches "
-            "already copied to the GPU, 2 ahead (tf.data's prefetch_to_device), not from host memory.",
-            "",
-        ]
+    for part in parts:
+        mode = part.get("input_on_device", "off")
+        if mode != "off":
+            who, keras_reads = ("both loops", "") if mode == "both" else ("tfmp.fit", "; Keras fit, from host memory")
+            lines += [
+                f"**Input on the device (part {part['part']}: --input_on_device={mode}):** {who} read the batches "
+                f"already copied to the GPU, 2 ahead (tf.data's prefetch_to_device){keras_reads}.",
+                "",
+            ]
     per_turn = first.get("steps_per_turn", 1)
     lines += [
         f"Examples/s are medians of alternating rounds, {per_turn} step{'s' * (per_turn != 1)} of each fit in turn "
