@@ -64,7 +64,11 @@ def define():
         "warmup_steps", 12, "Steps of each fit's first call (trace, compile, settle), untimed.", lower_bound=1
     )
     flags.DEFINE_integer(
-        "rounds", 7, "Alternating rounds after the warm-up (their median ratio: 3 spread 1.025-1.058).", lower_bound=1
+        "rounds",
+        7,
+        "Alternating rounds after the warm-up; a ratio is the median of its rounds' (3 rounds of one H200 row read "
+        "1.025-1.058).",
+        lower_bound=1,
     )
     flags.DEFINE_integer("max_steps", 30, "Most timed steps of a fit in one round.", lower_bound=1)
     flags.DEFINE_integer("steps_per_turn", None, "Steps a fit's turn (default: 5 on a GPU, 1 on a CPU).", lower_bound=1)
