@@ -9,7 +9,7 @@ import tensorflow as tf
 import tiny
 
 import tfmp
-from tfmp import data
+from tfmp import data, distribute, inputs
 from tfmp.app import models, training
 from tfmp.bench import float8_hlo
 
@@ -149,3 +149,27 @@ def test_peak_gpu_memory_is_reported_per_policy(tmp_path, capsys):
         print("\npeak GPU memory (MiB):", {k: round(v, 1) for k, v in peaks.items()})
     assert all(v > 0 for v in peaks.values())
     assert peaks["mixed_bfloat16"] < peaks["float32"]  # 16-bit activations.
+
+
+def test_a_one_device_strategy_reads_its_stream_from_the_gpu(monkeypatch):
+    """Under a OneDeviceStrategy on the GPU (`get_strategy("auto")` on one GPU, train.py's) the training stream
+    is prefetched to the GPU, as the strategy's own dataset is for Keras fit, and trains the same weights as
+    from host memory."""
+    strategy = tf.distribute.OneDeviceStrategy("/gpu:0")
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).batch(8, drop_remainder=True)
+    assert next(inputs.Input(ds, strategy, None, 1, "data").stream(0))[0].device.endswith("GPU:0")
+
+    def fit():
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)]
+            model = keras.Sequential(layers)
+            model.compile(keras.optimizers.Adam(0.01), "mse")
+        tfmp.fit(model, ds, epochs=2, verbose=0, jit_compile=False)
+        return [w.numpy() for w in model.weights]
+
+    prefetched = fit()
+    monkeypatch.setattr(distribute, "input_device", lambda strategy: None)
+    for ours, host in zip(prefetched, fit(), strict=True):
+        np.testing.assert_allclose(ours, host, rtol=1e-5, atol=1e-6)

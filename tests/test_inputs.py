@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmp import inputs, pydata
+from tfmp import distribute, inputs, pydata
 from tfmp.errors import UsageError
 
 ONE = tf.distribute.get_strategy
@@ -168,6 +168,20 @@ def test_a_stream_prefetched_to_a_device_draws_as_from_host_memory_where_it_appl
     batches = ((np.ones((2, 1), "float32"), np.ones((2, 1), "float32")) for _ in range(8))
     generated = inputs.Input(pydata.to_dataset(batches, shuffle=False, seed=0), ONE(), 4, 1, "data")
     assert generated._on_device(generated.data) is generated.data  # noqa: SLF001
+
+
+def test_a_one_device_strategy_on_a_gpu_prefetches_the_stream_there_as_its_own_dataset_does():
+    """Under a OneDeviceStrategy on a GPU the training stream goes there 2 batches ahead, as the strategy's
+    `experimental_distribute_dataset` does for Keras fit (tests/test_gpu.py reads a batch there); a CPU's
+    batches are in host memory already. (Made here without a GPU: a dataset is not run until read.)"""
+    on_gpu = tf.distribute.OneDeviceStrategy("/gpu:0")
+    assert distribute.input_device(on_gpu) == "/job:localhost/replica:0/task:0/device:GPU:0"
+    for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), tf.distribute.OneDeviceStrategy("/cpu:1"), ONE()):
+        assert distribute.input_device(strategy) is None
+    ds = numbered(10).repeat()
+    prefetched = inputs.Input(numbered(10), on_gpu, None, 1, "data")._on_device(ds)  # noqa: SLF001
+    assert prefetched is not ds and prefetched.element_spec == ds.element_spec
+    assert inputs.Input(numbered(10), tf.distribute.OneDeviceStrategy("/cpu:1"), None, 1, "data")._on_device(ds) is ds  # noqa: SLF001
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])

@@ -158,6 +158,15 @@ def strategy_name(strategy):
     }.get(type(strategy).__name__, type(strategy).__name__)
 
 
+def input_device(strategy):
+    """The GPU of a OneDeviceStrategy on one, where its input goes ahead of the steps (its
+    `experimental_distribute_dataset` prefetches there for Keras fit); else None (a CPU's is host memory)."""
+    if not isinstance(strategy, tf.distribute.OneDeviceStrategy):
+        return None
+    device = tf.DeviceSpec.from_string(strategy.extended.worker_devices[0])
+    return device.to_string() if device.device_type == "GPU" else None
+
+
 def num_workers(strategy):
     """Worker processes (hosts) the strategy spans; 1 for single-process strategies."""
     return tf_compat.num_workers(strategy)

@@ -14,6 +14,7 @@ from tfmp.errors import UsageError, first_line, is_count
 # Where a training stream's batches are prefetched to, 2 ahead, on one device (`Input.stream`): None (host memory:
 # TensorFlow copies each batch to a GPU when its step runs, after the steps queued before it), or a device such as
 # "/gpu:0". Off until a GPU measures it (`python -m tfmp.bench.gpu_report --input_on_device=tfmp`, BENCHMARKS.md).
+# A OneDeviceStrategy on a GPU has it whatever this says: its own device, as its distributed dataset gives Keras fit.
 PREFETCH_TO = None
 
 
@@ -155,15 +156,17 @@ class Input:
         return self._on_device(ds) if repeat else ds
 
     def _on_device(self, ds):
-        """`ds` prefetched to `PREFETCH_TO`, 2 batches ahead, where it is set and the reads ahead change nothing: an
-        endless stream of numbers (no strings, ragged or sparse tensors) whose reads are not counted (`_reads`)
-        and that no generator's end or PyDataset's epoch hooks follow."""
-        if PREFETCH_TO is None or self._reads is not None or self.generator or pydata.has_hooks(self._given):
+        """`ds` prefetched 2 batches ahead to `PREFETCH_TO`, or to a OneDeviceStrategy's GPU
+        (`distribute.input_device`), where the reads ahead change nothing: an endless stream of numbers (no
+        strings, ragged or sparse tensors) whose reads are not counted (`_reads`) and that no generator's end or
+        PyDataset's epoch hooks follow."""
+        device = PREFETCH_TO or distribute.input_device(self.strategy)
+        if device is None or self._reads is not None or self.generator or pydata.has_hooks(self._given):
             return ds
         specs = tf.nest.flatten(ds.element_spec)
         if not all(type(s) is tf.TensorSpec and (s.dtype.is_floating or s.dtype.is_integer) for s in specs):
             return ds
-        return ds.apply(tf.data.experimental.prefetch_to_device(PREFETCH_TO, buffer_size=2))
+        return ds.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=2))
 
     def end_hooks_ran(self, epochs, timeout=pydata.END_HOOK_SECONDS):
         """Whether a PyDataset's `on_epoch_end` has run for every pass that `epochs` epochs
