@@ -15,7 +15,7 @@ from tfmp.errors import UsageError, first_line, is_count
 # TensorFlow copies each batch to a GPU when its step runs, after the steps queued before it), or a device such as
 # "/gpu:0" (not a second CPU: XLA's step on a CPU waits on its copy forever, DECISIONS.md). Off until a GPU
 # measures it (`python -m tfmp.bench.gpu_report --input_on_device=tfmp`, BENCHMARKS.md). A OneDeviceStrategy on a
-# GPU has it whatever this says: its own device, as its distributed dataset gives Keras fit.
+# GPU has it even where this is None: its own device, as its distributed dataset gives Keras fit.
 PREFETCH_TO = None
 
 
