@@ -176,12 +176,13 @@ def test_a_one_device_strategy_on_a_gpu_prefetches_the_stream_there_as_its_own_d
     batches are in host memory already. (Made here without a GPU: a dataset is not run until read.)"""
     on_gpu = tf.distribute.OneDeviceStrategy("/gpu:0")
     assert distribute.input_device(on_gpu) == "/job:localhost/replica:0/task:0/device:GPU:0"
-    for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), tf.distribute.OneDeviceStrategy("/cpu:1"), ONE()):
+    on_second_cpu = tf.distribute.OneDeviceStrategy("/cpu:1")
+    for strategy in (tf.distribute.OneDeviceStrategy("/cpu:0"), on_second_cpu, ONE()):
         assert distribute.input_device(strategy) is None
     ds = numbered(10).repeat()
     prefetched = inputs.Input(numbered(10), on_gpu, None, 1, "data")._on_device(ds)  # noqa: SLF001
     assert prefetched is not ds and prefetched.element_spec == ds.element_spec
-    assert inputs.Input(numbered(10), tf.distribute.OneDeviceStrategy("/cpu:1"), None, 1, "data")._on_device(ds) is ds  # noqa: SLF001
+    assert inputs.Input(numbered(10), on_second_cpu, None, 1, "data")._on_device(ds) is ds  # noqa: SLF001
 
 
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["no_xla", "xla"])
