@@ -1,6 +1,7 @@
 """The numerics doctor: float16 overflow named per layer, keep_float32 fixing it, gradient
 underflow and the recommended loss scale, NaN localisation, the PNG, parity over seeds."""
 
+import dataclasses
 import json
 
 import keras
@@ -110,9 +111,12 @@ def math_is_power_of_two(value):
     return value == 2.0 ** round(np.log2(value))
 
 
-def test_outputs_json_table_and_gradient_histogram(tmp_path):
+def test_outputs_json_table_gradient_histogram_and_a_one_line_repr(tmp_path):
     keras.config.set_dtype_policy("mixed_float16")
     diagnosis = tfmp.diagnose(overflowing(), data(), steps=2)
+    assert repr(diagnosis).startswith("Diagnosis(3 layers over 2 float32 steps, keep_float32=['blowup'], recommended")
+    long = dataclasses.replace(diagnosis, keep_float32=[f"layer_{i}" for i in range(9)])  # Not 90 KB in a notebook.
+    assert "'layer_5', ... 9 in all]" in repr(long) and "\n" not in repr(long) and str(diagnosis) == diagnosis.table()
     json_path, png_path = diagnosis.save(str(tmp_path))
     saved = json.loads(open(json_path).read())
     assert saved["keep_float32"] == ["blowup"] and len(saved["layers"]) == 3

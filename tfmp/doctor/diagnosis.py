@@ -12,7 +12,7 @@ from tfmp import files
 FLOAT16_MAX = 65504.0
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Diagnosis:
     """What `diagnose` found.
 
@@ -52,6 +52,19 @@ class Diagnosis:
 
     def to_dict(self):
         return dataclasses.asdict(self)
+
+    def __repr__(self):
+        """One line, what a notebook or REPL shows of `tfmp.diagnose(...)`: `table()` has each layer, `to_dict()`
+        every figure (a dataclass's own repr printed every layer's record, 90 KB for a MobileNetV2)."""
+        float8 = f", keep_bfloat16={_names(self.keep_bfloat16)}" if self.show_float8 else ""
+        return (
+            f"Diagnosis({len(self.layers)} layers over {self.steps} float32 steps, "
+            f"keep_float32={_names(self.keep_float32)}, recommended_loss_scale={self.recommended_loss_scale:g}, "
+            f"bfloat16_sensitive={_names(self.bfloat16_sensitive)}{float8}; print(it) or .table() for each layer)"
+        )
+
+    def __str__(self):
+        return self.table()
 
     def table(self):
         """The console table."""
@@ -145,3 +158,10 @@ class Diagnosis:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _names(names, most=6):
+    """A list of layer names as Python writes it, its first `most` where longer, with how many it holds."""
+    if len(names) <= most:
+        return repr(list(names))
+    return f"[{', '.join(map(repr, names[:most]))}, ... {len(names)} in all]"
