@@ -39,6 +39,16 @@ def test_configure_sets_global_policy_and_returns_name():
     assert not loss_scale.needs_loss_scaling()
 
 
+def test_auto_prints_its_choice_and_reason_on_one_line_and_an_asked_for_policy_nothing(capsys):
+    assert precision.configure_precision("auto", Hardware(gpu_capability=(7, 5), gpu_name="T4")) == "mixed_float16"
+    decision = precision.resolve_policy("auto", Hardware(gpu_capability=(7, 5), gpu_name="T4"))
+    assert capsys.readouterr().out == f"tfmp: precision mixed_float16 ({decision.reason})\n"
+    assert "T4" in decision.reason
+    precision.configure_precision("auto", Hardware(), verbose=False)
+    precision.configure_precision("mixed_bfloat16", Hardware())
+    assert capsys.readouterr().out == ""
+
+
 def test_compute_dtype_of_a_policy_name():
     names = ("float32", "mixed_float16", "mixed_bfloat16", "float8")
     assert [precision.compute_dtype(n) for n in names] == ["float32", "float16", "bfloat16", "bfloat16"]

@@ -175,8 +175,9 @@ def resolve_policy(policy="auto", hardware=None):
     return Decision(policy, "asked for", slow(hardware) if slow else None)
 
 
-def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=0):
-    """Applies a global Keras dtype policy, logs why, and returns its name.
+def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=0, verbose=True):
+    """Applies a global Keras dtype policy, logs why, and returns its name; `auto`'s choice and
+    its reason are printed too.
 
     Asking for mixed_float16 where it is slow (CPU, TPU, GPU below compute capability
     7.0), or for mixed_bfloat16 on a CPU without bfloat16 instructions, works but logs a
@@ -193,6 +194,8 @@ def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=
             weight), `stochastic` (seeded by `seed`, the step and the variable), or
             `nearest` (Keras' behaviour: small updates vanish; it warns).
         seed: an integer seeding stochastic rounding.
+        verbose: print `auto`'s choice and its reason on one line, where absl's log, which
+            shows it, is quiet by default outside an absl app (train.py prints it in its summary).
 
     Returns:
         The name of the policy now global, e.g. "mixed_bfloat16".
@@ -201,7 +204,10 @@ def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=
         UsageError: for an unknown policy name or rounding.
     """
     set_bf16_rounding(rounding, seed)
-    return apply_policy(resolve_policy(policy, hardware))
+    decision = resolve_policy(policy, hardware)
+    if verbose and policy == "auto":
+        print(f"tfmp: precision {decision.policy} ({decision.reason})")
+    return apply_policy(decision)
 
 
 def set_bf16_rounding(rounding="kahan", seed=0):
