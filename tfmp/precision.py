@@ -87,7 +87,8 @@ def _slow_float16_warning(hardware):
     if hardware.gpu_capability is None:
         return (
             "mixed_float16 on a CPU can be many times slower than float32 (float16 matmuls "
-            "are emulated); use --precision=auto or mixed_bfloat16 unless you are testing."
+            'are emulated); use auto (configure_precision("auto"), train.py --precision=auto) or mixed_bfloat16 '
+            "unless you are testing."
         )
     if hardware.gpu_capability < (7, 0):
         cc = "{}.{}".format(*hardware.gpu_capability)
@@ -114,8 +115,8 @@ def _emulated_bfloat16_warning(hardware, policy="mixed_bfloat16"):
     return (
         f"{policy} on a CPU without AMX-BF16 or AVX512-BF16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo) "
         "runs emulated: expect each step to take longer than in float32 (the bundled cnn's 2.1-2.4x with XLA, "
-        "jit_compile=auto's choice here, 11x without, on an AMD EPYC Zen 3); use --precision=auto or float32 "
-        "unless testing."
+        'jit_compile=auto\'s choice here, 11x without, on an AMD EPYC Zen 3); use auto (configure_precision("auto"), '
+        "train.py --precision=auto) or float32 unless testing."
     )
 
 
