@@ -138,7 +138,8 @@ def test_each_optimizer_runs_keras_own_update_in_float32(name):
 def test_an_optimizer_without_a_bfloat16_path_is_named():
     tfmp.configure_precision("bfloat16")
     model = mlp(keras.optimizers.RMSprop(1e-3))
-    with pytest.raises(UsageError, match="RMSprop is none of them"):
+    fix = r'configure_precision\("mixed_bfloat16"\), train.py --precision=mixed_bfloat16'
+    with pytest.raises(UsageError, match=f"RMSprop is none of them.*{fix}"):
         Steps(model, tf.distribute.get_strategy())
 
 

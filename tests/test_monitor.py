@@ -112,7 +112,8 @@ def test_float16_overflow_shows_in_scalars_and_warns(tmp_path, monkeypatch, capl
     assert _scalars(tmp_path, "skipped_rate")[-1] == pytest.approx(6 / 24)
     assert len(_scalars(tmp_path, "grad_norm")) == 24 and len(_scalars(tmp_path, "examples_per_second")) == 24
     assert metrics["skipped_steps"] == 6 and metrics["steps"] == 18 and metrics["final_loss_scale"] == 2.0**4
-    assert any("steps were skipped for non-finite gradients" in r.getMessage() for r in caplog.records)
+    (skips,) = [m for r in caplog.records if "steps were skipped for non-finite gradients" in (m := r.getMessage())]
+    assert "wrap_optimizer's initial_scale; train.py's --loss_scale_initial" in skips
     assert (tmp_path / "training.png").stat().st_size > 10_000
 
 
@@ -152,7 +153,8 @@ def test_a_loss_scale_below_one_warns_once_naming_the_fixes(tmp_path, caplog):
         monitor._warn({"step": step, "loss_scale": scale})  # noqa: SLF001
     (message,) = [r.getMessage() for r in caplog.records if "Loss scale fell" in r.getMessage()]
     assert "Loss scale fell to 0.5 at step 2" in message
-    assert all(fix in message for fix in ("tfmp.diagnose", "tfmp.keep_float32", "--keep_float32", "--learning_rate"))
+    fixes = ("tfmp.diagnose", "tfmp.keep_float32", "--keep_float32", "the optimizer's learning_rate", "--learning_rate")
+    assert all(fix in message for fix in fixes)
 
 
 def test_finiteness_reads_one_compiled_check_or_each_variable_where_it_cannot_run(monkeypatch):

@@ -65,7 +65,8 @@ def check_supported(optimizer):
         raise UsageError(
             f"bfloat16 weights: tfmp computes the updates of {SUPPORTED} in float32 and compensates their "
             f"rounding; {type(optimizer).__name__} is none of them (a subclass that changes update_step is "
-            "not either). Use one of those, or --precision=mixed_bfloat16 (float32 weights)."
+            'not either). Use one of those, or mixed_bfloat16 (float32 weights: configure_precision("mixed_bfloat16"), '
+            "train.py --precision=mixed_bfloat16)."
         )
     if getattr(optimizer, "use_ema", False) or getattr(optimizer, "gradient_accumulation_steps", None):
         raise UsageError(

@@ -260,7 +260,7 @@ class Monitor:
                 "Loss scale fell to %g at step %d: float16 gradients keep overflowing. Likely causes: a "
                 "layer whose output overflows float16 (tfmp.diagnose(model, data) names it; keep it float32 "
                 "with tfmp.keep_float32 or train.py's --keep_float32), a too-high learning rate "
-                "(--learning_rate), or bad input data (NaN/inf).",
+                "(the optimizer's learning_rate; train.py's --learning_rate), or bad input data (NaN/inf).",
                 scale,
                 row["step"],
             )
@@ -269,8 +269,8 @@ class Monitor:
             self.warned.add("skips")
             logging.warning(
                 "%.0f%% of the last %d steps were skipped for non-finite gradients. Likely causes: an initial "
-                "loss scale far too high (--loss_scale_initial), float16 overflow in a layer, or a learning "
-                "rate that diverges.",
+                "loss scale far too high (wrap_optimizer's initial_scale; train.py's --loss_scale_initial), float16 "
+                "overflow in a layer, or a learning rate that diverges.",
                 100 * rate,
                 len(self.recent),
             )
