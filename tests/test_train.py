@@ -168,7 +168,7 @@ def test_default_run_reaches_real_accuracy(tmp_path):
 def test_the_resnets_default_run_scores_its_test_set_as_it_trained(tmp_path):
     """`train.py --model=resnet` (float32: no timed choice): the test set is scored with BatchNormalization's moving
     statistics, which must have caught up in its 186 steps (at Keras' momentum, 0.99, it scored chance, 0.11, where
-    its last training batches scored 0.99; 0.92 and 0.97 in mixed_bfloat16 now, on an AMD EPYC Zen 4)."""
+    its last training batches scored 0.99; now 0.92, and 0.97 in mixed_bfloat16, on an AMD EPYC Zen 4)."""
     config = training.Config(model="resnet", precision="float32", model_dir=str(tmp_path), verbose=0)
     metrics = training.train_and_evaluate(config)
     assert metrics["dataset"] == "digits" and metrics["steps"] == 186 and metrics["test_accuracy"] >= 0.8, metrics
