@@ -7,8 +7,8 @@ from tfmp.heads import classification_head
 
 
 def _batch_norm(name):
-    # Float32 moving statistics under --precision=bfloat16 (bf16.statistics_policy). Momentum 0.9, as the paper's
-    # Torch code and PyTorch's default (0.1 there): Keras' 0.99 keeps 15% of the initial variance of 1 after the
+    # Float32 moving statistics under --precision=bfloat16 (bf16.statistics_policy). Momentum 0.9, PyTorch's
+    # default (0.1 in its convention): Keras' 0.99 keeps 15% of the initial variance of 1 after the
     # default run's 186 steps, and the model, 0.99 accurate on its training batches, scored chance (0.11) on the test.
     return keras.layers.BatchNormalization(momentum=0.9, dtype=bf16.statistics_policy(), name=name)
 
