@@ -1,5 +1,6 @@
 """The numerics doctor: float16 overflow named per layer, keep_float32 fixing it, gradient
-underflow and the recommended loss scale, NaN localisation, the PNG, parity over seeds."""
+underflow and the recommended loss scale, NaN localisation, the PNG, parity over seeds (its
+commands: tests/test_doctor_cli.py)."""
 
 import dataclasses
 import json
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tiny
-from conftest import autoencoder, entry_point_process
+from conftest import autoencoder
 
 import tfmp
 from tfmp import doctor, heads
@@ -158,72 +159,6 @@ def test_parity_within_and_beyond_noise():
     assert not worse["within_noise"] and worse["difference"] == pytest.approx(-0.05)
     with pytest.raises(tfmp.UsageError, match="at least 2 seeds"):
         doctor.parity(lambda policy, seed: 1.0, seeds=1)
-
-
-def _command(*args):
-    """Runs `python ARGS...` from the repository root; returns the completed process."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-
-
-def test_doctor_command_errors_in_one_line_and_lists_its_flags():
-    """Both before TensorFlow loads (its flags come from a module that loads none), as train.py's."""
-    run = "runpy.run_module('tfmp.doctor', run_name='__main__', alter_sys=True)"
-    bad = entry_point_process(run, "--model=bogus")
-    assert bad.returncode == 2 and bad.stderr.splitlines() == [
-        "tfmp.doctor: error: flag --model=bogus: value should be one of <cnn|resnet|lstm|transformer>"
-    ]
-    usage = entry_point_process(run, "--helpshort")
-    assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
-    for result in (bad, usage):
-        assert result.stdout.splitlines()[-1] == "tensorflow loaded: False", result
-
-
-@pytest.mark.slow  # Three commands in processes of their own, one training on the real digits: 30-50 s.
-def test_doctor_command_and_train_diagnose(tmp_path):
-    report = _command("-m", "tfmp.doctor", "--model=cnn", "--steps=2", f"--output_dir={tmp_path / 'doc'}")
-    assert report.returncode == 0, report.stderr[-2000:]
-    assert report.stderr == "", report.stderr[-2000:]  # Not even that float16 is slow here: 2 steps.
-    assert "keep in float32:" in report.stdout and "recommended initial loss scale" in report.stdout
-    assert json.loads((tmp_path / "doc" / "diagnosis.json").read_text())["layers"]
-    parity = _command(
-        "-m",
-        "tfmp.doctor",
-        "--parity",
-        "--model=cnn",
-        "--dataset=synthetic",
-        "--seeds=2",
-        "--epochs=1",
-        "--steps_per_epoch=2",
-        "--batch_size=16",
-        "--policy=mixed_bfloat16",
-        "--bf16_rounding=stochastic",  # For --policy=bfloat16; no run here reads it, and none is told it.
-        f"--output_dir={tmp_path / 'parity'}",
-    )
-    assert parity.returncode == 0, parity.stderr[-2000:]
-    assert "has no effect" not in parity.stderr, parity.stderr[-2000:]
-    result = json.loads((tmp_path / "parity" / "parity.json").read_text())
-    assert len(result["float32"]["accuracies"]) == 2 and "within_noise" in result
-    assert "seed-to-seed noise" in parity.stdout
-    diagnose = _command(
-        "train.py",
-        "--diagnose",
-        "--dataset=synthetic",
-        "--precision=mixed_float16",
-        "--keep_float32=conv0.*",
-        f"--model_dir={tmp_path / 'run'}",
-    )
-    assert diagnose.returncode == 0, diagnose.stderr[-2000:]
-    layers = json.loads((tmp_path / "run" / "doctor" / "diagnosis.json").read_text())["layers"]
-    dtypes = {r["name"]: r["compute_dtype"] for r in layers}
-    assert dtypes["conv0a"] == dtypes["conv0b"] == "float32" and dtypes["conv1a"] == "float16"
-    assert (tmp_path / "run" / "doctor" / "gradients.png").exists()
 
 
 class Energy(keras.layers.Layer):
