@@ -81,14 +81,16 @@ def auto_trial_candidates(hardware=None):
     return ("float32", "mixed_bfloat16")
 
 
+_AUTO = 'auto (configure_precision("auto"), train.py --precision=auto)'  # What the warnings below advise.
+
+
 def _slow_float16_warning(hardware):
     if hardware.tpu:
         return "mixed_float16 on TPU: TPUs compute in bfloat16; use mixed_bfloat16."
     if hardware.gpu_capability is None:
         return (
             "mixed_float16 on a CPU can be many times slower than float32 (float16 matmuls "
-            'are emulated); use auto (configure_precision("auto"), train.py --precision=auto) or mixed_bfloat16 '
-            "unless you are testing."
+            f"are emulated); use {_AUTO} or mixed_bfloat16 unless you are testing."
         )
     if hardware.gpu_capability < (7, 0):
         cc = "{}.{}".format(*hardware.gpu_capability)
@@ -115,8 +117,7 @@ def _emulated_bfloat16_warning(hardware, policy="mixed_bfloat16"):
     return (
         f"{policy} on a CPU without AMX-BF16 or AVX512-BF16 (no amx_bf16 or avx512_bf16 in /proc/cpuinfo) "
         "runs emulated: expect each step to take longer than in float32 (the bundled cnn's 2.1-2.4x with XLA, "
-        'jit_compile=auto\'s choice here, 11x without, on an AMD EPYC Zen 3); use auto (configure_precision("auto"), '
-        "train.py --precision=auto) or float32 unless testing."
+        f"jit_compile=auto's choice here, 11x without, on an AMD EPYC Zen 3); use {_AUTO} or float32 unless testing."
     )
 
 
