@@ -40,8 +40,9 @@ def test_configure_sets_global_policy_and_returns_name():
 
 
 def test_auto_prints_its_choice_and_reason_on_one_line_and_an_asked_for_policy_nothing(capsys):
-    assert precision.configure_precision("auto", Hardware(gpu_capability=(7, 5), gpu_name="T4")) == "mixed_float16"
-    decision = precision.resolve_policy("auto", Hardware(gpu_capability=(7, 5), gpu_name="T4"))
+    t4 = Hardware(gpu_capability=(7, 5), gpu_name="T4")
+    assert precision.configure_precision("auto", t4) == "mixed_float16"
+    decision = precision.resolve_policy("auto", t4)
     assert capsys.readouterr().out == f"tfmp: precision mixed_float16 ({decision.reason})\n"
     assert "T4" in decision.reason
     precision.configure_precision("auto", Hardware(), verbose=False)
