@@ -17,9 +17,21 @@ def test_default_and_one_device_never_none():
     assert distribute.strategy_name(one) == "one_device"
 
 
-def test_auto_follows_the_devices():
+def test_auto_follows_the_devices_and_prints_why(capsys):
     expected = "mirrored" if GPUS > 1 else "one_device" if GPUS else "default"
     assert distribute.strategy_name(distribute.get_strategy("auto")) == expected
+    why = {"mirrored": f"{GPUS} GPUs", "one_device": "one GPU, /", "default": "no GPU or TPU"}[expected]
+    assert capsys.readouterr().out.startswith(f"tfmp: strategy {expected} ({why}"), "auto says what it chose, and why"
+    distribute.get_strategy("auto", verbose=False)
+    distribute.get_strategy("default")  # Asked for by name: nothing to explain.
+    assert capsys.readouterr().out == ""
+
+
+def test_auto_under_tf_config_is_multi_worker_without_listing_devices(monkeypatch):
+    # A multi-worker strategy must exist before TensorFlow's runtime starts, which listing devices would do.
+    monkeypatch.setattr(distribute, "_tf_config_workers", lambda: 3)
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda *a: pytest.fail("listed devices"))
+    assert distribute._auto_strategy(None) == ("multi_worker", "TF_CONFIG names 3 workers")
 
 
 def test_mirrored_over_the_gpus_else_the_logical_cpus():

@@ -106,7 +106,8 @@ def test_fit_and_launch_from_another_directory(installed):
     target, elsewhere, run = installed
     script = elsewhere / "fit.py"
     script.write_text(FIT.format(site=str(target)))
-    assert run(str(script)).stdout.split() == [tfmp.__version__, "2"]
+    lines = run(str(script)).stdout.splitlines()
+    assert lines[0].startswith("tfmp: strategy ") and lines[-1].split() == [tfmp.__version__, "2"], lines
     launched = run("-m", "tfmp.launch", "--workers=1", str(script))
     assert f"{tfmp.__version__} 2" in launched.stdout
     assert not (target / "models").exists()

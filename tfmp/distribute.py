@@ -100,7 +100,7 @@ def _mirrored_strategy():
     )
 
 
-def get_strategy(name="auto", tpu=None):
+def get_strategy(name="auto", tpu=None, *, verbose=True):
     """Returns a `tf.distribute.Strategy`; never None.
 
     Args:
@@ -109,25 +109,43 @@ def get_strategy(name="auto", tpu=None):
             `default`, `one_device`, `mirrored`, `multi_worker` (from TF_CONFIG), `tpu`.
         tpu: for `tpu` (and `auto`): "local" for a Colab or Cloud TPU VM, or a TPU
             name or grpc:// address.
+        verbose: print `auto`'s choice and its reason on one line (absl's log, which has it
+            too, is quiet by default outside an absl app; train.py prints it in its summary).
 
     Raises:
         UsageError: for an unknown name, or a strategy whose hardware is missing.
     """
     if name not in STRATEGIES:
         raise UsageError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
-    asked = name
+    asked, why = name, None
     if name == "auto":
-        if _tf_config_workers() > 1:
-            name = "multi_worker"
-        elif tpu or _tpu_present():
-            name = "tpu"
-        elif len(tf.config.list_logical_devices("GPU")) > 1:
-            name = "mirrored"
-        elif tf.config.list_logical_devices("GPU"):
-            name = "one_device"
-        else:
-            name = "default"
-        logging.info("Strategy auto -> %s", name)
+        name, why = _auto_strategy(tpu)
+        logging.info("Strategy auto -> %s (%s)", name, why)
+    strategy = _make_strategy(name, tpu, asked)
+    if verbose and why:  # Once made: a TPU that fails to start says so instead.
+        print(f"tfmp: strategy {name} ({why})")
+    return strategy
+
+
+def _auto_strategy(tpu):
+    """`auto`'s choice of strategy and why, in a few words. Devices are listed last: that starts TensorFlow's
+    runtime, before which a multi-worker or TPU strategy must exist."""
+    workers = _tf_config_workers()
+    if workers > 1:
+        return "multi_worker", f"TF_CONFIG names {workers} workers"
+    if tpu:
+        return "tpu", f"tpu={tpu!r} given"
+    if _tpu_present():
+        return "tpu", "a TPU found"
+    gpus = tf.config.list_logical_devices("GPU")
+    if len(gpus) > 1:
+        return "mirrored", f"{len(gpus)} GPUs"
+    if gpus:
+        return "one_device", f"one GPU, {gpus[0].name}"
+    return "default", "no GPU or TPU: one device, the CPU"
+
+
+def _make_strategy(name, tpu, asked):
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
