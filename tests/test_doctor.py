@@ -95,6 +95,9 @@ def test_diagnose_reads_arrays_and_python_data_as_tfmp_fit_does():
     assert tfmp.diagnose(autoencoder(), X, steps=2).layers  # No compiled loss (its layer adds it): inputs alone.
     with pytest.raises(tfmp.UsageError, match="diagnose reads a dataset, .* not a function"):
         tfmp.diagnose(clean(), lambda context: data())
+    for steps in (0, 2.0, None):  # Said so, not "got no batches" (0) or a TypeError deep inside.
+        with pytest.raises(tfmp.UsageError, match=f"diagnose: steps must be an integer >= 1, got {steps}"):
+            tfmp.diagnose(clean(), data(), steps=steps)
 
 
 def test_tiny_gradients_underflow_at_scale_1_and_the_recommended_scale_lifts_them():

@@ -26,6 +26,17 @@ def test_doctor_command_errors_in_one_line_and_lists_its_flags():
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "tfmp.doctor: error: flag --model=bogus: value should be one of <cnn|resnet|lstm|transformer>"
     ]
+    wrong = {  # Each answered as the flags are read, naming the flag, not by TensorFlow or a parity run.
+        "--baseline=fp32": "flag --baseline=fp32: value should be one of <float32|",
+        "--batch_size=0": "flag --batch_size=0: 0 is not a positive integer",
+        "--steps=0": "flag --steps=0: 0 is not a positive integer",
+        "--learning_rate=nan": "flag --learning_rate=nan: must be a positive finite number",
+        "--parity --seeds=1": "flags parity=True, seeds=1: --parity measures the noise over the seeds: give --seeds=2",
+    }
+    for args, message in wrong.items():
+        result = entry_point_process(run, *args.split())
+        assert result.returncode == 2 and result.stderr.startswith(f"tfmp.doctor: error: {message}"), result.stderr
+        assert len(result.stderr.splitlines()) == 1 and result.stdout.splitlines() == ["tensorflow loaded: False"]
     usage = entry_point_process(run, "--helpshort")
     assert usage.stdout.startswith("The numerics doctor") and "--[no]parity:" in usage.stdout, usage.stdout[:500]
     for result in (bad, usage):

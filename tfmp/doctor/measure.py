@@ -50,6 +50,8 @@ def diagnose(model, data, steps=8):
     """
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
+    if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+        raise UsageError(f"diagnose: steps must be an integer >= 1, got {steps!r}")
     targets = data_inputs.needs_targets(model)
     data, _ = fit_data.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
     if not isinstance(data, tf.data.Dataset):
