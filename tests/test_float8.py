@@ -55,6 +55,10 @@ def test_policy_quantizes_hidden_layers_not_the_head(caplog):
     histories = {path: value[0] for path, value in state(model).items() if "amax_history" in path}
     assert len(histories) == 6 and all(np.any(v != 0) for v in histories.values())  # Recorded while training.
     assert "float8" in tfmp.audit(model).table()
+    kept = build()  # Every candidate excluded by hand: tfmp.fit keeps that, not quantizing them all.
+    assert float8.quantize(kept, exclude=["hidden.*"]) == []
+    tfmp.fit(kept, data(), epochs=1, verbose=0)
+    assert float8.quantized_layers(kept) == [] and not state(kept)
 
 
 @pytest.mark.parametrize("strategy_name", ["mirrored", "no_merge_call"])
@@ -155,6 +159,8 @@ def test_doctor_names_the_layer_float8_would_flush():
     assert records["hidden"]["inputs_flushed"] > 0.1 and records["hidden"]["inputs_amax"] > 10
     assert records["hidden2"]["inputs_flushed"] < 0.01
     assert diagnosis.keep_bfloat16 == ["hidden"] and "leave in bfloat16 (float8 exclude): hidden" in diagnosis.table()
+    with pytest.raises(tfmp.UsageError, match="float8 exclude: 'hiden' matches no layer of"):
+        float8.quantize(model, exclude=["hidden2", "hiden"])  # A typo would leave hidden in float8.
     assert float8.quantize(model, exclude=diagnosis.keep_bfloat16) == ["hidden2"]
     history = tfmp.fit(model, batches, epochs=2, verbose=0)
     assert np.isfinite(history.history["loss"]).all()

@@ -3,7 +3,8 @@
 `tfmp.configure_precision("float8")` computes in bfloat16 and runs the matmuls of the
 model's Dense and EinsumDense layers in float8 (Keras' `quantize("float8")`: E4M3 for
 inputs and kernels, E5M2 for the output gradients, delayed scaling from an amax history).
-tfmp.fit quantizes the model when it first trains it; `quantize(model)` does it by hand.
+tfmp.fit quantizes the model when it first trains it; `quantize(model)` does it by hand,
+and tfmp.fit keeps that choice (an `exclude` that leaves no layer in float8 too).
 
 Keras keeps each float8 layer's scales and amax histories in variables that the optimizer
 overwrites with their "gradients" (`overwrite_with_gradient`). Under a strategy Keras takes
@@ -16,11 +17,12 @@ leaves it untouched.
 """
 
 import re
+import weakref
 
 import keras
 import numpy as np
 
-from tfmp import heads, keras_compat
+from tfmp import heads, keras_compat, precision
 from tfmp.errors import UsageError
 
 POLICY = "float8"
@@ -34,6 +36,15 @@ _QUANTIZABLE = (keras.layers.Dense, keras.layers.EinsumDense)
 def is_state(variable):
     """Whether `variable` is float8 state (a scale or an amax history), not a weight."""
     return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+_decided = weakref.WeakSet()  # The models `quantize` ran on: their float8 layers are decided.
+
+
+def decided(model):
+    """Whether `model`'s float8 layers are decided, which tfmp.fit then leaves be: `quantize` ran on it (with an
+    `exclude` that left none, too), or some of its layers run in float8 (a loaded model's)."""
+    return model in _decided or bool(quantized_layers(model))
 
 
 def quantized_layers(model):
@@ -86,6 +97,9 @@ def quantize(model, exclude=()):
     """
     if not model.built:
         raise UsageError(f"float8: build {model.name} first (call it on a batch) so that its layers can be quantized")
+    missing, names = precision.unmatched(model, [exclude] if isinstance(exclude, str) else exclude)
+    if missing:  # A typo would leave its layer in float8.
+        raise UsageError(f"float8 exclude: {missing[0]!r} matches no layer of {model.name} (its layers: {names})")
     chosen = candidates(model, exclude)
     optimizer = getattr(model, "optimizer", None)
     if chosen and optimizer is not None and optimizer.built:
@@ -97,6 +111,7 @@ def quantize(model, exclude=()):
     if chosen:
         with model.distribute_strategy.scope():  # Mirrored state for a mirrored model.
             keras_compat.quantize(model, chosen, "float8")
+    _decided.add(model)
     return [layer.path or layer.name for layer in chosen]
 
 

@@ -276,7 +276,7 @@ def prepare(
     optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`.
     With `evaluating=True`, the steps kept for the model are taken whatever they train with
     (as `model.evaluate` leaves `model.train_function` be): no compiled update is lost."""
-    if precision.float8_enabled() and not float8.quantized_layers(model):
+    if precision.float8_enabled() and not float8.decided(model):
         float8.quantize(model)  # Before the optimizer is built: it must know the float8 state.
     inputs.build_for(model, strategy, element_spec)
     loss_scale.for_model(model, strategy)

@@ -323,6 +323,12 @@ def _model_builder(config, entry, ds):
     def build_model():
         with precision.keep_float32(list(config.keep_float32)):
             model = models.build(config.model, ds, config.sequence_length)
+            for flag in ("keep_float32", "float8_exclude"):  # A typo's, before the block's warning or any training.
+                missing, names = precision.unmatched(model, getattr(config, flag))
+                if missing and (flag == "keep_float32" or precision.float8_enabled()):
+                    raise UsageError(
+                        f"--{flag}: {missing[0]!r} matches no layer of {config.model} (its layers: {names})"
+                    )
         if precision.float8_enabled():  # Before compile builds the optimizer (tfmp.float8).
             float8.quantize(model, exclude=list(config.float8_exclude))
         return model
