@@ -111,8 +111,24 @@ def quantize(model, exclude=()):
     if chosen:
         with model.distribute_strategy.scope():  # Mirrored state for a mirrored model.
             keras_compat.quantize(model, chosen, "float8")
+        _reloadable(model)
     _decided.add(model)
     return [layer.path or layer.name for layer in chosen]
+
+
+def _reloadable(model):
+    """Keras saves each layer's own dtype policy, not those of the sublayers a layer makes in its `build`
+    (MultiHeadAttention's query, key, value and output projections): reloaded, they were built in 16 bits, without
+    the float8 variables saved for them, and `keras.models.load_model` failed ("expected 2 variables, but received
+    0", Keras 3.15). Each such parent gets a `DTypePolicyMap` from those sublayers' paths to their policies, which
+    Keras saves with it and its `build` hands down. (A model's layers are saved each with its own.)"""
+    for layer in keras_compat.sublayers(model):
+        if isinstance(layer, keras.Model) or not quantized_layers(layer):
+            continue
+        own = keras_compat.own_policy(layer)
+        differ = {sub.path: keras_compat.own_policy(sub) for sub in keras_compat.sublayers(layer)}
+        differ = {path: policy for path, policy in differ.items() if policy.name != own.name}
+        keras_compat.set_policy(layer, keras.dtype_policies.DTypePolicyMap(own, differ))
 
 
 def matmul_layers(model):

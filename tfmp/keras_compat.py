@@ -228,6 +228,12 @@ def set_policy(layer, policy):
     layer._dtype_policy = keras.dtype_policies.get(policy)  # noqa: SLF001
 
 
+def own_policy(layer):
+    """The dtype policy `layer` computes under: its own, or its entry in the `DTypePolicyMap` it holds."""
+    policy = layer.dtype_policy
+    return policy[layer.path] if isinstance(policy, keras.dtype_policies.DTypePolicyMap) else policy
+
+
 def forget_compiled_functions(model):
     """Drops the functions `model.fit` traced, so that the next call traces them again (a new dtype policy)."""
     model.train_function = model.test_function = model.predict_function = None
