@@ -1,5 +1,6 @@
 """Export: model.keras and a SavedModel, float32 (or raw strings) in and out, same outputs."""
 
+import json
 import os
 import subprocess
 import sys
@@ -14,9 +15,8 @@ import tfmp
 from tfmp.app import export, training
 
 
-@pytest.mark.parametrize("model, policy", [("cnn", "mixed_bfloat16"), ("lstm", "float32")])
-def test_trained_model_exports_and_reloads(tmp_path, model, policy):
-    config = training.Config(
+def config_for(tmp_path, model, policy):
+    return training.Config(
         model=model,
         dataset="synthetic",
         precision=policy,
@@ -30,14 +30,19 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
         export_dir=str(tmp_path / "export"),
         verbose=0,
     )
-    metrics = training.train_and_evaluate(config)
-    tolerance = 1e-5 if policy == "float32" else 2e-3
+
+
+# The transformer in float8: its attention's float8 projections reload (tfmp.float8).
+@pytest.mark.parametrize("model, policy", [("cnn", "mixed_bfloat16"), ("lstm", "float32"), ("transformer", "float8")])
+def test_trained_model_exports_and_reloads(tmp_path, model, policy):
+    metrics = training.train_and_evaluate(config_for(tmp_path, model, policy))
+    tolerance = {"float32": 1e-5, "float8": 1e-2}.get(policy, 2e-3)  # As tfmp.app.export allows.
     assert metrics["export"]["max_difference"] <= tolerance
     keras.config.set_dtype_policy("float32")  # A user reloading elsewhere, under the default policy.
     loaded = tf.saved_model.load(str(tmp_path / "export" / "saved_model"))
     reloaded = keras.models.load_model(tmp_path / "export" / "model.keras")
     (spec,) = loaded.signatures["serving_default"].structured_input_signature[1].values()
-    if model == "lstm":
+    if model != "cnn":
         sample = tf.constant(["w1 w2 w3", "w7 w9", ")"])  # Raw strings in; ")" holds no word.
         assert spec.dtype == tf.string
     else:
@@ -50,6 +55,17 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
     if model == "lstm":  # The reloaded vectorizer reads a text with no word as [UNK], not as padding.
         vectorizer = next(layer for layer in reloaded.layers if layer.name == "vectorizer")
         assert list(np.asarray(vectorizer(sample))[2][:2]) == [1, 0]
+
+
+def test_a_failed_export_loses_no_figure(tmp_path, monkeypatch):
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "export", fail)
+    with pytest.raises(OSError, match="disk full"):
+        training.train_and_evaluate(config_for(tmp_path, "cnn", "float32"))
+    with open(tmp_path / "run" / "metrics.json") as f:
+        assert json.load(f)["test_accuracy"] >= 0  # Written before the export.
 
 
 def test_mismatch_is_reported(tmp_path, monkeypatch):

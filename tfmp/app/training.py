@@ -246,8 +246,6 @@ def _record(config, run, model, fitted, say):
     }
     if os.path.exists(history_path):
         metrics["plot"] = report.plot_history(history_path, os.path.join(run.model_dir, "training.png"))
-    if config.export_dir and run.chief:
-        metrics["export"] = _export(config, run.entry, model, ds)
     path = os.path.join(run.model_dir, "metrics.json")
     trained = f"{rate:,.0f} train examples/s"
     if run.start >= run.batches:  # A finished run, evaluated again.
@@ -258,6 +256,9 @@ def _record(config, run, model, fitted, say):
         f"test accuracy {test['accuracy']:.4f}  test loss {test['loss']:.4f}  ({trained}; "
         f"{metrics['skipped_steps']} skipped steps; weights {metrics['weights_sha256'][:12]}; metrics in {path})"
     )
+    if config.export_dir and run.chief:  # After the figures are written: a failed export loses none of them.
+        metrics["export"] = _export(config, run.entry, model, ds)
+        files.write_json(path, metrics)
     return metrics
 
 
