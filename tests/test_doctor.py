@@ -14,6 +14,7 @@ from conftest import autoencoder
 
 import tfmp
 from tfmp import doctor, heads
+from tfmp.doctor import measure
 
 rng = np.random.default_rng(0)
 X = rng.random((256, 8), dtype=np.float32) * 10
@@ -73,6 +74,11 @@ def test_keep_float32_makes_float16_training_finite():
     history = tfmp.fit(model, data(), epochs=3, verbose=0)
     assert np.isfinite(history.history["loss"]).all()
     assert int(model.optimizer.iterations.numpy()) >= 20  # Hardly any of the 24 updates skipped.
+    with tfmp.keep_float32(["dense"]):  # Its layers hold the block's policy map; a pooling layer, no path in it.
+        pooled = keras.Sequential([keras.Input((8,)), keras.layers.Reshape((8, 1)), keras.layers.MaxPooling1D()])
+        pooled.add(keras.layers.Dense(1, name="dense"))
+    pooled.compile(keras.optimizers.Adam(1e-4), "mse")
+    assert tfmp.diagnose(pooled, data(), steps=1).keep_float32 == []
 
 
 def test_clean_model_names_nothing():
@@ -338,3 +344,29 @@ def test_the_updates_bfloat16_weights_would_lose_to_nearest_rounding_per_layer()
     assert lost["large"] == 32 / 36 and lost["small"] < 0.1, lost  # Its kernel's 32, not its 4 biases (at 0).
     assert "bf16 lost: weights stored in bfloat16 would lose up to" in diagnosis.table()
     assert doctor.nearest_drops(np.float32([100.0, 1.0]), np.float32([100.0001, 1.5])).tolist() == [1, 2]
+
+
+def test_a_model_of_bfloat16_weights_is_measured_and_updated_as_tfmp_fit_would(monkeypatch):
+    """Its float32 pass casts the bfloat16 weights (Keras would hand them to float32 ops uncast: an error), its steps
+    update them as tfmp.fit does (Keras' own update rounds Adam's beta_2 to 1 and moves nothing), and the column of
+    updates nearest rounding would lose is left out: they are compensated. The model is as it was afterwards."""
+    tfmp.configure_precision("bfloat16")
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Reshape((8, 1)), keras.layers.Conv1D(4, 3), keras.layers.Flatten(), keras.layers.Dense(1)]
+    model = keras.Sequential([keras.Input((8,)), *layers])  # A convolution: its op takes no float32 and bfloat16 mix.
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    before = [np.asarray(v) for v in model.variables]
+    moved, apply = [], measure._apply  # noqa: SLF001
+
+    def watched(strategy, optimizer, grads, variables, **kw):
+        old = [np.asarray(v) for v in variables]
+        apply(strategy, optimizer, grads, variables, **kw)
+        moved.append(all(np.any(np.asarray(v) != o) for v, o in zip(variables, old, strict=True)))
+
+    monkeypatch.setattr(measure, "_apply", watched)
+    diagnosis = tfmp.diagnose(model, data(), steps=3)
+    assert moved == [True] * 3  # Every weight, every step.
+    assert [r["bfloat16_nearest_dropped"] for r in diagnosis.layers if r["gradient_values"]] == [None, None]
+    assert "bf16 lost" not in str(diagnosis).split("\n", 1)[1]  # Only the header names it.
+    for v, value in zip(model.variables, before, strict=True):
+        np.testing.assert_array_equal(np.asarray(v), value)

@@ -229,9 +229,10 @@ def set_policy(layer, policy):
 
 
 def own_policy(layer):
-    """The dtype policy `layer` computes under: its own, or its entry in the `DTypePolicyMap` it holds."""
+    """The dtype policy `layer` computes under: its own, or its entry in the `DTypePolicyMap` it holds (a layer
+    without a path, a model, computes under the map's default, which the map stands for, as in Keras)."""
     policy = layer.dtype_policy
-    return policy[layer.path] if isinstance(policy, keras.dtype_policies.DTypePolicyMap) else policy
+    return policy[layer.path] if isinstance(policy, keras.dtype_policies.DTypePolicyMap) and layer.path else policy
 
 
 def forget_compiled_functions(model):
@@ -248,11 +249,23 @@ def policies(layers, policy):
     saved = [layer._dtype_policy for layer in layers]  # noqa: SLF001
     try:
         for layer in layers:
-            set_policy(layer, policy)
+            set_policy(layer, _over_own_variables(policy, layer))
         yield
     finally:
         for layer, kept in zip(layers, saved, strict=True):
             set_policy(layer, kept)  # The same object back (`get` returns a policy object as it is).
+
+
+def _over_own_variables(policy, layer):
+    """`policy`'s computation over `layer`'s own variable dtype where that differs (bfloat16 weights): Keras casts a
+    layer's variables to its compute dtype only where its policy's two dtypes differ, and under "float32" a float32 op
+    was handed a bfloat16 weight (tfmp.diagnose of a model of bfloat16 weights failed)."""
+    own = own_policy(layer).variable_dtype
+    if own == policy.variable_dtype or policy.quantization_mode:
+        return policy
+    kept = keras.DTypePolicy(policy.name)
+    kept._variable_dtype = own  # noqa: SLF001
+    return kept
 
 
 @contextlib.contextmanager

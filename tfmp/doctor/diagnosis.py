@@ -21,7 +21,8 @@ class Diagnosis:
             gradient ranges, float16 overflow and underflow, bfloat16 output error, and
             `bfloat16_nearest_dropped`: the fraction of its weights' updates that weights
             stored in bfloat16 would lose to round-to-nearest, Keras' `bfloat16` policy,
-            which `--precision=bfloat16`'s compensated rounding keeps).
+            which `--precision=bfloat16`'s compensated rounding keeps; None where the
+            weights are bfloat16 already, updated so, as tfmp.fit would).
         keep_float32: layers to keep in float32: their outputs exceed float16's maximum,
             or they would cast such an input to 16 bits (the consumers), or their
             gradients exceed it even at loss scale 1. Pass it to `tfmp.keep_float32`.
@@ -84,7 +85,8 @@ class Diagnosis:
                     f"{r['gradient_max_abs']:10.3g} {r['underflow_at_1']:9.1%} {r['subnormal_at_1']:9.1%} "
                     f"{r['underflow_at_recommended']:11.1%}"
                 )
-                lost = f"{r.get('bfloat16_nearest_dropped', 0.0):9.1%}"
+                dropped = r.get("bfloat16_nearest_dropped", 0.0)  # None: its weights are bfloat16, compensated.
+                lost = f"{'-':>9s}" if dropped is None else f"{dropped:9.1%}"
             else:  # No trainable weight of its own (an RNN's are its cell's, a row of their own).
                 grads, lost = f"{'-':>10s} {'-':>9s} {'-':>9s} {'-':>11s}", f"{'-':>9s}"
             lines.append(
@@ -95,7 +97,7 @@ class Diagnosis:
         lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
         if self.bfloat16_sensitive:
             lines.append(f"bfloat16-sensitive (>5% output error): {', '.join(self.bfloat16_sensitive)}")
-        lost = [r for r in self.layers if r.get("bfloat16_nearest_dropped", 0.0) > 0.01]
+        lost = [r for r in self.layers if (r.get("bfloat16_nearest_dropped") or 0.0) > 0.01]
         if lost:
             worst = max(lost, key=lambda r: r["bfloat16_nearest_dropped"])
             lines.append(

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import fit_data, float8, gradients, keras_compat, keras_optimizers, precision
+from tfmp import bf16, fit_data, float8, gradients, keras_compat, keras_optimizers, precision
 from tfmp import inputs as data_inputs
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
 from tfmp.doctor.watch import (
@@ -65,6 +65,9 @@ def diagnose(model, data, steps=8):
         with model.distribute_strategy.scope():
             optimizer = keras_optimizers.fresh_optimizer(model.optimizer)
         variables = list(model.trainable_variables)
+        compensated = bf16.holds_bfloat16(model)
+        if compensated:  # As tfmp.fit updates them: Keras' own update rounds Adam's beta_2 to 1 and moves none.
+            optimizer = _compensated(optimizer, variables, model.distribute_strategy)
         owner = owners(layers)
         hist = np.zeros((len(layers), len(BINS)), dtype=np.int64)
         zeros = np.zeros(len(layers), dtype=np.int64)
@@ -108,7 +111,7 @@ def diagnose(model, data, steps=8):
                 zeros[i] += z
                 grad_max[i] = max(grad_max[i], float(values.max(initial=0.0)))
             before = [np.asarray(v, np.float32) for v in variables]
-            _apply(model.distribute_strategy, optimizer, grads, variables)
+            _apply(model.distribute_strategy, optimizer, grads, variables, reduced=compensated)
             for v, old in zip(variables, before, strict=True):
                 if id(v) in owner:
                     dropped[owner[id(v)]] += nearest_drops(old, np.asarray(v, np.float32))
@@ -117,8 +120,10 @@ def diagnose(model, data, steps=8):
         raise UsageError("diagnose got no batches from the data")
     order += [i for i in range(len(layers)) if i not in order]  # Layers the forward pass never called.
     diagnosis = _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, done)
+    stored = {owner[id(v)] for v in variables if bf16.is_bfloat16(v) and id(v) in owner}  # Compensated: None.
     for record, i in zip(diagnosis.layers, order, strict=True):
-        record["bfloat16_nearest_dropped"] = float(dropped[i, 0] / dropped[i, 1]) if dropped[i, 1] else 0.0
+        lost = float(dropped[i, 0] / dropped[i, 1]) if dropped[i, 1] else 0.0
+        record["bfloat16_nearest_dropped"] = None if i in stored else lost
     diagnosis.float8 = [
         float8.layer_report(layers[i].path or layers[i].name, *delayed[i]) for i in sorted(delayed, key=order.index)
     ]
@@ -138,12 +143,24 @@ def nearest_drops(old, new):
     return np.array([int(tf.reduce_sum(tf.cast(lost, tf.int64))), int(np.sum(moved))])
 
 
-def _apply(strategy, optimizer, grads, variables):
+def _compensated(optimizer, variables, strategy):
+    """`optimizer` (fresh) updating bfloat16 weights as tfmp.fit does (`tfmp.bf16`: each update in float32, written
+    back with the rounding `configure_precision` set), its `apply` taking gradients already summed (`_apply`)."""
+    with strategy.scope():
+        optimizer.build(variables)
+    rounding, seed = precision.bf16_rounding()
+    groups = keras_optimizers.optimizer_groups(optimizer, variables)
+    hooks = {id(sub): bf16.applier_hooks(sub, group, strategy, rounding, seed) for sub, group in groups}
+    return keras_optimizers.reduced_applier(optimizer, hooks)
+
+
+def _apply(strategy, optimizer, grads, variables, reduced=False):
     """Applies the gradients of the whole batch. Under a strategy (a model built in its
     scope) Keras' optimizer applies in a replica context and sums what each replica
-    gives: each gives its share."""
+    gives: each gives its share; an applier of `reduced` gradients is given them whole."""
     replicas = strategy.num_replicas_in_sync
-    share = [g if g is None or replicas == 1 else gradients.scale(g, 1.0 / replicas) for g in grads]
+    whole = reduced or replicas == 1
+    share = [g if g is None or whole else gradients.scale(g, 1.0 / replicas) for g in grads]
     logger, level = tf.get_logger(), tf.get_logger().level
     logger.setLevel("ERROR")  # Not "Using MirroredStrategy eagerly has significant overhead": a few steps.
     try:
