@@ -52,6 +52,13 @@ def test_trained_model_exports_and_reloads(tmp_path, model, policy):
     assert served.dtype == tf.float32 and served.shape[0] == sample.shape[0]
     np.testing.assert_allclose(served.numpy(), np.asarray(reloaded(sample)), atol=tolerance)
     np.testing.assert_allclose(served.numpy().sum(axis=-1), 1.0, rtol=1e-5)
+    if model == "transformer":  # In a new process, as GUIDE.md says: its embedding's class, its float8 layers.
+        code = "import sys, keras, tfmp.app.models.transformer\nmodel = keras.models.load_model(sys.argv[1])\n"
+        code += "print(sum(getattr(layer, 'quantization_mode', None) == 'float8' for layer in model._flatten_layers()))"
+        env = {**os.environ, "PYTHONPATH": REPO, "TF_CPP_MIN_LOG_LEVEL": "3"}
+        path = str(tmp_path / "export" / "model.keras")
+        result = subprocess.run([sys.executable, "-c", code, path], env=env, capture_output=True, text=True)
+        assert result.returncode == 0 and result.stdout.split()[-1] == "12", result.stderr[-1500:]  # 2 x (4 + 2).
     if model == "lstm":  # The reloaded vectorizer reads a text with no word as [UNK], not as padding.
         vectorizer = next(layer for layer in reloaded.layers if layer.name == "vectorizer")
         assert list(np.asarray(vectorizer(sample))[2][:2]) == [1, 0]
