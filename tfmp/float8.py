@@ -126,7 +126,7 @@ def _reloadable(model):
         if isinstance(layer, keras.Model) or not quantized_layers(layer):
             continue
         own = keras_compat.own_policy(layer)
-        differ = {sub.path: keras_compat.own_policy(sub) for sub in keras_compat.sublayers(layer)}
+        differ = {sub.path: keras_compat.own_policy(sub) for sub in keras_compat.sublayers(layer) if sub.path}
         differ = {path: policy for path, policy in differ.items() if policy.name != own.name}
         keras_compat.set_policy(layer, keras.dtype_policies.DTypePolicyMap(own, differ))
 
