@@ -97,9 +97,8 @@ def quantize(model, exclude=()):
     """
     if not model.built:
         raise UsageError(f"float8: build {model.name} first (call it on a batch) so that its layers can be quantized")
-    missing, names = precision.unmatched(model, [exclude] if isinstance(exclude, str) else exclude)
-    if missing:  # A typo would leave its layer in float8.
-        raise UsageError(f"float8 exclude: {missing[0]!r} matches no layer of {model.name} (its layers: {names})")
+    # A typo would leave its layer in float8.
+    precision.require_matches(model, [exclude] if isinstance(exclude, str) else exclude, "float8 exclude")
     chosen = candidates(model, exclude)
     optimizer = getattr(model, "optimizer", None)
     if chosen and optimizer is not None and optimizer.built:
@@ -126,8 +125,11 @@ def _reloadable(model):
         if isinstance(layer, keras.Model) or not quantized_layers(layer):
             continue
         own = keras_compat.own_policy(layer)
-        differ = {sub.path: keras_compat.own_policy(sub) for sub in keras_compat.sublayers(layer) if sub.path}
-        differ = {path: policy for path, policy in differ.items() if policy.name != own.name}
+        differ = {
+            sub.path: policy
+            for sub in keras_compat.sublayers(layer)
+            if sub.path and (policy := keras_compat.own_policy(sub)).name != own.name
+        }
         keras_compat.set_policy(layer, keras.dtype_policies.DTypePolicyMap(own, differ))
 
 

@@ -317,19 +317,20 @@ def _matches(pattern, path, name=None):
     return any(re.fullmatch(pattern, n or "") for n in (path, name or (path or "").rsplit("/", 1)[-1]))
 
 
-def unmatched(model, patterns):
-    """(the patterns naming none of `model`'s layers by path or name, some of its layers' paths): a typo's."""
+def require_matches(model, patterns, what):
+    """Raises UsageError for the first of `patterns` (full-match regular expressions of layer paths or names) that
+    names none of `model`'s layers, a typo's, said as `what`'s (the argument or flag), with some of the layers."""
     layers = keras_compat.sublayers(model)
-    missing = [p for p in patterns if not any(_matches(p, layer.path, layer.name) for layer in layers)]
-    return missing, ", ".join(layer.path or layer.name for layer in layers[:12]) + (", ..." if len(layers) > 12 else "")
+    for pattern in patterns:
+        if not any(_matches(pattern, layer.path, layer.name) for layer in layers):
+            names = ", ".join(layer.path or layer.name for layer in layers[:12]) + (", ..." if len(layers) > 12 else "")
+            raise UsageError(f"{what}: {pattern!r} matches no layer of {model.name} (its layers: {names})")
 
 
 def _keep_float32_in(model, patterns):
+    require_matches(model, patterns, "keep_float32")
     layers = keras_compat.sublayers(model)
     chosen = {}
-    missing, names = unmatched(model, patterns)
-    if missing:
-        raise UsageError(f"keep_float32: {missing[0]!r} matches no layer of {model.name} (its layers: {names})")
     for pattern in patterns:
         hits = [layer for layer in layers if _matches(pattern, layer.path, layer.name)]
         chosen.update({id(layer): layer for layer in hits})

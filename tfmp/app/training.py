@@ -324,13 +324,10 @@ def _model_builder(config, entry, ds):
     def build_model():
         with precision.keep_float32(list(config.keep_float32)):
             model = models.build(config.model, ds, config.sequence_length)
-            for flag in ("keep_float32", "float8_exclude"):  # A typo's, before the block's warning or any training.
-                missing, names = precision.unmatched(model, getattr(config, flag))
-                if missing and (flag == "keep_float32" or precision.float8_enabled()):
-                    raise UsageError(
-                        f"--{flag}: {missing[0]!r} matches no layer of {config.model} (its layers: {names})"
-                    )
+            # A typo's name, said before the block's warning or any training, naming the flag.
+            precision.require_matches(model, config.keep_float32, "--keep_float32")
         if precision.float8_enabled():  # Before compile builds the optimizer (tfmp.float8).
+            precision.require_matches(model, config.float8_exclude, "--float8_exclude")
             float8.quantize(model, exclude=list(config.float8_exclude))
         return model
 
