@@ -226,3 +226,35 @@ def test_a_float8_attention_saves_and_reloads(tmp_path):
     assert sorted(layer.path for layer in float8.quantized_layers(reloaded)) == paths
     np.testing.assert_array_equal(reloaded.predict(x, verbose=0), model.predict(x, verbose=0))
     assert all(np.any(v != 0) for path, v in state(reloaded).items() if "amax_history" in path)
+
+
+@keras.saving.register_keras_serializable("tfmp_tests")
+class Block(keras.layers.Layer):
+    """A block as GUIDE.md asks of a layer making float8 sublayers in `__init__`: each with the block's policy and
+    a name of its own."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = keras.layers.MultiHeadAttention(2, 4, dtype=self.dtype_policy, name="attention")
+        dense = [keras.layers.Dense(8, dtype=self.dtype_policy, name=f"dense{i}") for i in range(2)]
+        self.feed_forward = keras.Sequential(dense, name="feed_forward")
+
+    def call(self, x):
+        return self.feed_forward(x + self.attention(x, x))
+
+
+def test_a_float8_layer_inside_a_custom_block_reloads(tmp_path):
+    """The sublayers a block makes in `__init__` reload in float8 when the block hands them its policy and names
+    them (Keras alone: "expected 2 variables, but received 0"), in the process that saved them too."""
+    tfmp.configure_precision("float8")
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 8))
+    x = keras.layers.Flatten()(Block(name="block")(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(4, name="head")(x))
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = rng.normal(size=(16, 4, 8)).astype(np.float32)
+    tfmp.fit(model, x, rng.integers(0, 4, 16), batch_size=8, epochs=1, verbose=0)
+    model.save(tmp_path / "model.keras")
+    reloaded = keras.models.load_model(tmp_path / "model.keras")
+    assert len(float8.quantized_layers(reloaded)) == len(float8.quantized_layers(model)) == 6
+    np.testing.assert_array_equal(reloaded.predict(x, verbose=0), model.predict(x, verbose=0))
