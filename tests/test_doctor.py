@@ -346,15 +346,18 @@ def test_the_updates_bfloat16_weights_would_lose_to_nearest_rounding_per_layer()
     assert doctor.nearest_drops(np.float32([100.0, 1.0]), np.float32([100.0001, 1.5])).tolist() == [1, 2]
 
 
-def test_a_model_of_bfloat16_weights_is_measured_and_updated_as_tfmp_fit_would(monkeypatch):
+@pytest.mark.parametrize("strategy", ["one device", "mirrored"])
+def test_a_model_of_bfloat16_weights_is_measured_and_updated_as_tfmp_fit_would(monkeypatch, request, strategy):
     """Its float32 pass casts the bfloat16 weights (Keras would hand them to float32 ops uncast: an error), its steps
     update them as tfmp.fit does (Keras' own update rounds Adam's beta_2 to 1 and moves nothing), and the column of
-    updates nearest rounding would lose is left out: they are compensated. The model is as it was afterwards."""
+    updates nearest rounding would lose is left out: they are compensated. The model is as it was afterwards, on one
+    device and under a MirroredStrategy (the update reduces the gradients over its replicas)."""
     tfmp.configure_precision("bfloat16")
     keras.utils.set_random_seed(0)
-    layers = [keras.layers.Reshape((8, 1)), keras.layers.Conv1D(4, 3), keras.layers.Flatten(), keras.layers.Dense(1)]
-    model = keras.Sequential([keras.Input((8,)), *layers])  # A convolution: its op takes no float32 and bfloat16 mix.
-    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    with (request.getfixturevalue("mirrored") if strategy == "mirrored" else tf.distribute.get_strategy()).scope():
+        layers = [keras.layers.Reshape((8, 1)), keras.layers.Conv1D(4, 3), keras.layers.Flatten()]
+        model = keras.Sequential([keras.Input((8,)), *layers, keras.layers.Dense(1)])  # Conv1D: no mixed dtypes.
+        model.compile(keras.optimizers.Adam(1e-3), "mse")
     before = [np.asarray(v) for v in model.variables]
     moved, apply = [], measure._apply  # noqa: SLF001
 
