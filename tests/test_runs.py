@@ -116,6 +116,8 @@ CASES = [
     ("settings changed", ["--batch_size=32"], "batch_size 16 -> 32", "copy"),
     ("seed and precision changed", ["--seed=3", "--precision=mixed_bfloat16"], "seed 0 -> 3", "copy"),
     ("fewer epochs than done", ["--epochs=1"], "has trained 2 epochs already", "copy"),
+    ("precision a checkpoint cannot carry", ["--precision=float8", "--resume=force"], "--precision=float32,", "copy"),
+    ("forced into another model", ["--model=resnet", "--resume=force"], "does not load into this model", "copy"),
     ("directory in use", [], "is in use by pid", "lock"),
 ]
 

@@ -6,8 +6,10 @@ import os
 import keras
 import tensorflow as tf
 from absl import logging
+from google.protobuf import message
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tfmp import bf16, callback_state, keras_optimizers
+from tfmp import bf16, callback_state, float8, keras_optimizers
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.run_directory import flag_for
 
@@ -192,22 +194,31 @@ def learning_rate_variable(optimizer):
 
 def _precision_form(path, model, optimizer):
     """In words, what the checkpoint `path` and this model and optimizer hold that a change of precision
-    changes: loss scaling (mixed_float16) and bfloat16 weights (pure bfloat16); alike where it cannot be read."""
+    changes: loss scaling (mixed_float16), bfloat16 weights (pure bfloat16) and float8 layers' scales and
+    histories (float8); alike where it cannot be read."""
     try:
-        dtypes = tf.train.load_checkpoint(path).get_variable_to_dtype_map()
-    except (tf.errors.OpError, ValueError, OSError):  # Corrupt: the caller's message says so.
+        reader = tf.train.load_checkpoint(path)
+        dtypes = reader.get_variable_to_dtype_map()
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(reader.get_tensor("_CHECKPOINTABLE_OBJECT_GRAPH"))
+    except (tf.errors.OpError, ValueError, OSError, IndexError, message.DecodeError):  # Corrupt: the caller says so.
         return None, None
+    names = [attribute.full_name for node in graph.nodes for attribute in node.attributes]  # The variables' own.
     saved = (
         any(name.startswith("optimizer/dynamic_scale/") for name in dtypes),
         any(dtype == tf.bfloat16 for dtype in dtypes.values()),
+        any("amax_history" in name for name in names),  # Keras' float8 layers' (their scales have no own word).
     )
     now = (
         isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         any(w.dtype == "bfloat16" for w in model.weights),
+        any(float8.is_state(w) for w in model.weights),
     )
 
-    def words(scaled, bfloat16):
+    def words(scaled, bfloat16, float8_layers):
         weights = "bfloat16 weights" if bfloat16 else "float32 weights"
+        if float8_layers:
+            return f"{weights}, {'a' if scaled else 'no'} loss scale and float8 layers"
         return f"{weights} and {'a' if scaled else 'no'} loss scale"
 
     return words(*saved), words(*now)

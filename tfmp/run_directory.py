@@ -93,6 +93,19 @@ EXACT = (
 )
 
 
+# What a checkpoint of each precision holds that another cannot restore (float32 and mixed_bfloat16 alike).
+_STATE = {
+    precision: state
+    for state, precisions in {
+        "float32 weights": ("float32", "mixed_bfloat16"),
+        "float32 weights and a loss scale": ("mixed_float16",),
+        "bfloat16 weights": ("bfloat16",),
+        "float32 weights and float8 layers' scales": ("float8",),
+    }.items()
+    for precision in precisions
+}
+
+
 def check_settings(run_dir, settings, latest_path, force=False):
     """Refuses to resume the checkpoint `latest_path` with settings that would change what
     an exact resume means, and `epochs` fewer than the checkpoint already trained.
@@ -103,17 +116,28 @@ def check_settings(run_dir, settings, latest_path, force=False):
         latest_path: the checkpoint to resume, or None (then nothing is checked).
         force: resume even where the `EXACT` settings differ (`--resume=force`).
 
+    Returns:
+        Whether a checkpoint is resumed with other settings (forced): run.json, which describes the checkpoints,
+        is then rewritten only once the checkpoint is restored.
+
     Raises:
         UsageError: naming the differences and the ways out.
     """
     path = os.path.join(run_dir, SETTINGS_FILE)
     if not latest_path or not os.path.exists(path):
-        return
+        return False
     try:
         with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{path} is unreadable ({type(e).__name__}); move it away to resume anyway") from e
+    forms = [_STATE.get(saved.get("precision")), _STATE.get(settings["precision"])]
+    if forms[0] != forms[1] and None not in forms:  # Not even --resume=force restores it.
+        raise UsageError(
+            f"--model_dir={run_dir} holds a checkpoint of a run in {saved['precision']} ({forms[0]}), and this run "
+            f"trains in {settings['precision']} ({forms[1]}): an optimizer's state does not carry over between these "
+            f"precisions; resume with --precision={saved['precision']}, or use a new --model_dir"
+        )
     changed = [f"{k} {saved[k]} -> {settings[k]}" for k in EXACT if k in saved and saved[k] != settings[k]]
     if changed and not force:
         raise UsageError(
@@ -127,6 +151,7 @@ def check_settings(run_dir, settings, latest_path, force=False):
             f"--model_dir={run_dir} has trained {epochs_done} epochs already, more than --epochs={settings['epochs']}; "
             f"give --epochs={epochs_done} or more to continue, or use a new --model_dir"
         )
+    return bool(changed)
 
 
 def save_settings(run_dir, settings):

@@ -148,9 +148,12 @@ class _Setup:
         if self.chief:
             cleanup.enter_context(run_directory.RunLock(config.model_dir))
         settings = _settings(config, self.dataset, plan, strategy, self.steps)
-        run_directory.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
-        if self.chief:
-            run_directory.save_settings(config.model_dir, settings)
+        forced = run_directory.check_settings(config.model_dir, settings, latest, force=config.resume == "force")
+        # run.json describes the checkpoints: a forced resume writes it as training begins, once restored.
+        save = lambda logs=None: run_directory.save_settings(config.model_dir, settings)  # noqa: E731
+        self.on_restored = [keras.callbacks.LambdaCallback(on_train_begin=save)] if self.chief and forced else []
+        if self.chief and not forced:
+            save()
 
     def decide_precision(self, config, build_model, say):
         """The precision, decided (by a trial on the model where needed) and recorded."""
@@ -348,7 +351,7 @@ def _train_and_test(config, run, model, summary, out):
             ds.make_train,  # Per-worker input: each worker reads its own shard.
             epochs=config.epochs,
             steps_per_epoch=run.steps * plan.grad_accum_steps,
-            callbacks=[summary, throughput],
+            callbacks=[summary, throughput, *run.on_restored],
             strategy=strategy,
             grad_accum_steps=plan.grad_accum_steps,
             clipnorm=config.clipnorm,
