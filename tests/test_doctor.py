@@ -161,6 +161,20 @@ def test_nan_localisation_after_the_weights_broke():
         tfmp.fit(model, tiny.dataset(16).train, steps_per_epoch=2, verbose=0)
 
 
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_nan_localisation_names_the_data_where_the_batch_holds_a_nan(policy):
+    """A NaN in the data made the replay blame the weights (float32) or a layer (mixed_float16, whose skipped steps
+    keep the weights finite): the batch itself is the cause, in any precision."""
+    keras.config.set_dtype_policy(policy)
+    x, y = np.ones((32, 4), np.float32), np.ones((32, 1), np.float32)
+    x[5, 2], y[6, 0] = np.nan, np.inf
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1, dtype="float32")])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    words = r"Replay of the failing batch: the batch itself holds non-finite values \(1 in its inputs, 1 in its targets"
+    with pytest.raises(tfmp.TrainingError, match=words):
+        tfmp.fit(model, x, y, batch_size=8, shuffle=False, epochs=40, verbose=0)
+
+
 def test_parity_within_and_beyond_noise():
     same = doctor.parity(lambda policy, seed: 0.80 + 0.01 * seed, seeds=3)
     assert same["within_noise"] and same["difference"] == 0.0
