@@ -175,6 +175,16 @@ def test_nan_localisation_names_the_data_where_the_batch_holds_a_nan(policy):
         tfmp.fit(model, x, y, batch_size=8, shuffle=False, epochs=40, verbose=0)
 
 
+def test_diagnose_refuses_a_batch_holding_a_nan():
+    """Its figures were NaN throughout and it named nothing (keep_float32=[], loss scale 1)."""
+    x, y = np.ones((64, 4), np.float32), np.ones((64, 1), np.float32)
+    x[40, 1] = np.nan
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    with pytest.raises(tfmp.UsageError, match=r"batch 2 holds non-finite values \(1 in its inputs\): check the input"):
+        tfmp.diagnose(model, (x, y), steps=2)
+
+
 def test_parity_within_and_beyond_noise():
     same = doctor.parity(lambda policy, seed: 0.80 + 0.01 * seed, seeds=3)
     assert same["within_noise"] and same["difference"] == 0.0

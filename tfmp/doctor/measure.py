@@ -84,6 +84,8 @@ def diagnose(model, data, steps=8):
         }
         for batch in data.take(steps):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
+            if held := non_finite_data(batch):  # Every figure would be NaN, and no precision's doing.
+                raise UsageError(f"diagnose: batch {done + 1} holds non-finite values ({held}): check the input data")
             if done == 0:  # bfloat16: the same batch forward, each layer's output against float32's.
                 session.forward(x, "float32")
                 ref, order = calls.outputs(), list(dict.fromkeys(calls.started))
@@ -225,11 +227,17 @@ def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, ste
     )
 
 
-def _non_finite_count(part):
-    """How many NaN and inf values the floating tensors of `part` (a nest, ragged and sparse ones too) hold."""
-    tensors = [tf.convert_to_tensor(t) for t in tf.nest.flatten(part, expand_composites=True) if t is not None]
-    floating = [np.asarray(t) for t in tensors if t.dtype.is_floating]
-    return sum(v.size - np.count_nonzero(np.isfinite(v)) for v in floating)
+def non_finite_data(batch):
+    """How many NaN and inf values a batch's inputs, targets and sample weights hold, in words ("1 in its
+    inputs"); "" for none. Nests, ragged and sparse tensors too."""
+
+    def count(part):
+        tensors = [tf.convert_to_tensor(t) for t in tf.nest.flatten(part, expand_composites=True) if t is not None]
+        floating = [np.asarray(t) for t in tensors if t.dtype.is_floating]
+        return sum(v.size - np.count_nonzero(np.isfinite(v)) for v in floating)
+
+    parts = zip(("inputs", "targets", "sample weights"), keras.utils.unpack_x_y_sample_weight(batch), strict=True)
+    return ", ".join(f"{n} in its {name}" for name, part in parts if (n := count(part)))
 
 
 def localize_non_finite(model, batch, loss_scale=None):
@@ -241,18 +249,15 @@ def localize_non_finite(model, batch, loss_scale=None):
         layer (in the order the layers' calls finished) whose output is not finite, or, with
         finite outputs, the layer nearest the loss whose weight gradient is not.
     """
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    parts = {"inputs": x, "targets": y, "sample weights": sample_weight}
-    bad = {name: _non_finite_count(part) for name, part in parts.items()}
-    if any(bad.values()):  # The data's, not the model's: in any precision, from any weights.
-        counts = ", ".join(f"{n} in its {name}" for name, n in bad.items() if n)
-        return f"the batch itself holds non-finite values ({counts}): check the input data"
+    if held := non_finite_data(batch):  # The data's, not the model's: in any precision, from any weights.
+        return f"the batch itself holds non-finite values ({held}): check the input data"
     broken = next((w.path for w in model.weights if not np.isfinite(np.asarray(w, np.float32)).all()), None)
     if broken:
         return (
             f"the weights are non-finite already (first: {broken}), so the replay cannot tell where it began; "
             "diagnose the model from finite weights (a checkpoint before it) with tfmp.diagnose"
         )
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     with Session(model) as session:
         layers = session.layers
         variables = list(model.trainable_variables)
