@@ -228,6 +228,19 @@ def test_a_float8_attention_saves_and_reloads(tmp_path):
     assert all(np.any(v != 0) for path, v in state(reloaded).items() if "amax_history" in path)
 
 
+def test_a_frozen_layer_and_one_with_lora_stay_in_bfloat16():
+    """A frozen layer's float8 scales never moved from 1 (Keras updates them as gradients): its inputs of 1000
+    saturated at E4M3's 448. Keras' float8 call has no LoRA: fit failed to build the model."""
+    tfmp.configure_precision("float8")
+    model = build()
+    assert [layer.name for layer in float8.candidates(model)] == ["hidden", "hidden2"]
+    model.get_layer("hidden").trainable = False
+    model.get_layer("hidden2").enable_lora(2)
+    tfmp.fit(model, data(), epochs=1, verbose=0)
+    assert not float8.quantized_layers(model)
+    assert model.get_layer("hidden").compute_dtype == model.get_layer("hidden2").compute_dtype == "bfloat16"
+
+
 @keras.saving.register_keras_serializable("tfmp_tests")
 class Block(keras.layers.Layer):
     """A block as GUIDE.md asks of a layer making float8 sublayers in `__init__`: each with the block's policy and

@@ -65,7 +65,10 @@ def _heads(model):
 def candidates(model, exclude=()):
     """The layers `quantize` would run in float8: every Dense and EinsumDense (their exact
     classes, as Keras quantizes) computing in 16 bits, except heads (the layers making the
-    model's outputs, and those in a `tfmp.ClassificationHead`) and those matching `exclude`."""
+    model's outputs, and those in a `tfmp.ClassificationHead`), frozen layers (Keras updates
+    float8 scales as gradients: a frozen layer's stay at 1, and its inputs beyond E4M3's 448
+    saturate), layers with LoRA enabled (Keras' float8 call has none) and those matching
+    `exclude`."""
     patterns = [exclude] if isinstance(exclude, str) else list(exclude)
     skip = _heads(model)
     chosen = []
@@ -74,6 +77,8 @@ def candidates(model, exclude=()):
             continue
         name = layer.path or layer.name
         if layer.compute_dtype == "float32" or id(layer) in skip:
+            continue
+        if not layer.trainable or getattr(layer, "lora_enabled", False):  # Frozen, or LoRA: see above.
             continue
         if any(re.fullmatch(p, name) or re.fullmatch(p, layer.name) for p in patterns):
             continue
