@@ -48,3 +48,18 @@ def test_audit_finds_sigmoid_cast_to_float32_after_the_fact():
 def test_head_rejects_one_class():
     with pytest.raises(ValueError, match="num_classes must be >= 2"):
         tfmp.classification_head(1)
+
+
+def test_a_model_made_before_the_policy_is_named_by_the_audit_and_by_fit(caplog):
+    """Its layers took float32 when made: tfmp.fit trained it in float32 under mixed_bfloat16 without a word."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    assert tfmp.audit(model) == []
+    tfmp.configure_precision("mixed_bfloat16")
+    words = f"the policy is mixed_bfloat16, but every layer of {model.name} computes in float32"
+    assert [p[: len(words)] for p in tfmp.audit(model)] == [words]
+    with caplog.at_level("WARNING"):
+        tfmp.fit(model, np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
+    assert words in caplog.text
+    made_after = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2, dtype="float32")])
+    assert tfmp.audit(made_after) == []  # One layer in bfloat16 is enough (the head in float32 is the rule).

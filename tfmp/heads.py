@@ -1,6 +1,7 @@
 """float32-output classification heads, and an audit that finds low-precision outputs."""
 
 import keras
+from absl import logging
 
 from tfmp import keras_compat
 
@@ -87,6 +88,26 @@ class Audit(list):
         return "\n".join(lines)
 
 
+def made_before_policy(model):
+    """Why `model` would train in float32 under a 16-bit global policy, or None: every layer of it with weights
+    computes in float32, as layers made before the policy was set do (a layer takes the policy in force when made)."""
+    policy = keras.config.dtype_policy()
+    weighted = [layer for layer in keras_compat.sublayers(model) if layer.weights]
+    if policy.compute_dtype not in _LOW or not weighted or any(layer.compute_dtype in _LOW for layer in weighted):
+        return None
+    return (
+        f"the policy is {policy.name}, but every layer of {model.name} computes in float32: a layer takes the policy "
+        "in force when it is made, and these were made before it; set the policy first (tfmp.configure_precision) "
+        "and build the model after it (a model loaded from a file keeps the dtypes it was saved with)"
+    )
+
+
+def warn_if_made_before_policy(model):
+    """Logs `made_before_policy`'s warning, if any."""
+    if why := made_before_policy(model):
+        logging.warning("%s", why)
+
+
 def audit(model):
     """Each layer's compute dtype, and every model output that is not float32 or that is
     squashed (softmax/sigmoid) in 16 bits.
@@ -110,7 +131,7 @@ def audit(model):
         }
         for layer in keras_compat.sublayers(model)
     ]
-    problems = []
+    problems = [why] if (why := made_before_policy(model)) else []
     outputs = getattr(model, "outputs", None) or []  # A subclassed model has no graph to read them from.
     for i, output in enumerate(outputs):
         layer = keras_compat.producer(output)

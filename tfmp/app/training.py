@@ -206,7 +206,7 @@ def _train_and_evaluate(config, out, cleanup):
         models.compile(model, optimizer)
     problems = audit(model)
     if problems:
-        logging.warning("Low-precision outputs: %s", "; ".join(problems))
+        logging.warning("Precision audit: %s", "; ".join(problems))
     # 7. Train with tfmp.fit (resuming from the latest checkpoint; the summary prints as
     # training begins, with what fit decided), 8. evaluate on every test example.
     summary = report.Summary(
