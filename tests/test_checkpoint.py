@@ -237,7 +237,7 @@ def test_a_finished_run_rerun_says_nothing_is_left_to_train(tmp_path, capsys, ca
             "float8",
             "no loss scale, and this run trains with float32 weights, no loss scale and float8",
         ),
-        ("float8", "mixed_bfloat16", "weights, no loss scale and float8 layers, and this run trains with float32"),
+        ("float8", "mixed_bfloat16", "weights, no loss scale and float8 on 1 layer, and this run trains with float32"),
     ],
 )
 def test_a_checkpoint_of_another_precision_says_so(tmp_path, saved, now, words):
@@ -254,6 +254,25 @@ def test_a_checkpoint_of_another_precision_says_so(tmp_path, saved, now, words):
                 tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
         else:
             tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+
+
+def test_a_checkpoint_of_float8_on_other_layers_says_so(tmp_path):
+    """float8's exclude changed between runs: its scales, 3 tensors a layer, could not be placed ("does not load into
+    this model ... move the broken checkpoint away")."""
+    import tfmp
+
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 2), "float32")
+    tfmp.configure_precision("float8")
+    for exclude in ([], ["hidden2"]):
+        layers = [keras.layers.Dense(4, name="hidden"), keras.layers.Dense(4, name="hidden2")]
+        model = keras.Sequential([keras.Input((3,)), *layers, keras.layers.Dense(2, dtype="float32")])
+        model.compile(keras.optimizers.Adam(), "mse")
+        tfmp.float8.quantize(model, exclude=exclude)
+        if not exclude:
+            tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
+    words = "saved with float32 weights, no loss scale and float8 on 2 layers, and this run trains with float32 weights"
+    with pytest.raises(UsageError, match=f"{words}, no loss scale and float8 on 1 layer: an optimizer's state"):
+        tfmp.fit(model, x, y, batch_size=4, verbose=0, checkpoint_dir=str(tmp_path))
 
 
 def test_a_rerun_begun_with_another_learning_rate_is_told_the_checkpoints_goes_on(tmp_path, caplog):

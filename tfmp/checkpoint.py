@@ -125,10 +125,12 @@ class Checkpointer:
         flag = flag_for(self.restore_from)
         saved, now = _precision_form(path, self._model, self._optimizer)
         if saved != now:
+            ways = ["--precision", "--float8_exclude"] if flag == "--model_dir" else ["tfmp.configure_precision"]
+            ways = ways if "float8 on" in saved + now else ways[:1]  # float8 on other layers: its exclude.
             raise UsageError(
                 f"checkpoint {path} was saved with {saved}, and this run trains with {now}: an optimizer's state "
                 f"does not carry over between these precisions; resume under the precision it was saved with "
-                f"({'--precision' if flag == '--model_dir' else 'tfmp.configure_precision'}), or use a new {flag}"
+                f"({', '.join(ways)}), or use a new {flag}"
             )
         state = tf.train.get_checkpoint_state(self.restore_from)
         older = [os.path.basename(p) for p in state.all_model_checkpoint_paths[:-1]] if state else []
@@ -207,18 +209,19 @@ def _precision_form(path, model, optimizer):
     saved = (
         any(name.startswith("optimizer/dynamic_scale/") for name in dtypes),
         any(dtype == tf.bfloat16 for dtype in dtypes.values()),
-        any("amax_history" in name for name in names),  # Keras' float8 layers' (their scales have no own word).
+        sum("amax_history" in name for name in names) // 3,  # Keras' float8 layers: 3 each (of 3 tensors).
     )
     now = (
         isinstance(optimizer, keras.optimizers.LossScaleOptimizer),
         any(w.dtype == "bfloat16" for w in model.weights),
-        any(float8.is_state(w) for w in model.weights),
+        len(float8.quantized_layers(model)),
     )
 
     def words(scaled, bfloat16, float8_layers):
         weights = "bfloat16 weights" if bfloat16 else "float32 weights"
-        if float8_layers:
-            return f"{weights}, {'a' if scaled else 'no'} loss scale and float8 layers"
+        if float8_layers:  # Another number: `float8_exclude` changed.
+            layers = f"{float8_layers} layer{'s' if float8_layers > 1 else ''}"
+            return f"{weights}, {'a' if scaled else 'no'} loss scale and float8 on {layers}"
         return f"{weights} and {'a' if scaled else 'no'} loss scale"
 
     return words(*saved), words(*now)
