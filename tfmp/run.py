@@ -13,7 +13,7 @@ from tfmp import callbacks as tfmp_callbacks
 from tfmp import checkpoint, distribute, doctor, guards, keras_compat, loss_scale, packed, pydata
 from tfmp.errors import TrainingError, first_line
 from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
-from tfmp.steps import STEP_STATE
+from tfmp.steps import FELL_BACK, STEP_STATE
 
 
 def evaluated_nothing(model):
@@ -288,11 +288,11 @@ class Run:
             updates = k if total is not None and total - done >= k * n and not may_end else 1
             self.callbacks.on_train_batch_begin(done)
             try:
-                packed = steps.dispatch(self.iterator, updates, gated=may_end)
+                packed = steps.dispatch(self.iterator, updates, gated=may_end, retry=False)
+                if packed is FELL_BACK:  # XLA failed at the first step.
+                    packed = self._fell_back(epoch, done, updates, may_end)
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
-            if steps.jit_compile is not self.callbacks.params["jit_compile"]:  # XLA failed at the first step.
-                self._fell_back()
             batches = updates * n
             done, self.step = done + batches, self.step + batches
             position = self.input.position(epoch, done)
@@ -321,10 +321,13 @@ class Run:
             logs = self._finish(pending)
         return logs, done
 
-    def _fell_back(self):
-        """The callbacks' params say what the run does now: no XLA, and why (as the up-front probe says it)."""
+    def _fell_back(self, epoch, done, updates, may_end):
+        """The update XLA failed to compile, without XLA, on the batches it read (a generator's run once: the next)."""
         why = f"XLA cannot compile this model: {self.steps.fallback}"
         self.callbacks.set_params({**self.callbacks.params, "jit_compile": False, "jit_compile_reason": why})
+        if not (source := self.input).generator:  # Its input again from `done`, as a resume reads it.
+            self.iterator = source.stream(source.position(epoch, done)) if source.streamed else source.epoch(done)
+        return self.steps.dispatch(self.iterator, updates, gated=may_end)
 
     def _reads_behind(self, handler):
         """Whether an update's end may be handled after the next update is queued: not for

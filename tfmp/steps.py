@@ -29,7 +29,7 @@ from tfmp import (
     xla,
 )
 
-_FAILED = object()  # What a first call returns when XLA could not compile it.
+FELL_BACK = object()  # What a first call returns when XLA could not compile it.
 STEP_STATE = ("step_loss", "grad_norm", "finite", "iterations", "learning_rate", "loss_scale")  # Besides metrics.
 _COMPILED = ("gradients", "_forward", "_split", "_step", "_quiet_step", "_compute", "_apply", "_one", "_many")
 _COMPILED += ("_concrete", "_test", "_lean", "_grouped")  # What `Steps.compile` makes, kept per choice of XLA.
@@ -161,7 +161,7 @@ class Steps:
             self.fallback = xla.reason(e)
             logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
             self.compile(False)
-            return _FAILED
+            return FELL_BACK
         self._ran = True
         return out
 
@@ -174,7 +174,7 @@ class Steps:
         model's metric results (`loss`, ...: running means over the epoch)."""
         return self.read(self.dispatch(iterator, updates))
 
-    def dispatch(self, iterator, updates=1, gated=False):
+    def dispatch(self, iterator, updates=1, gated=False, retry=True):
         """Queues `updates` updates from `iterator` and returns at once, with what they will return packed into
         one tensor (see `read`). `gated`: an input of unknown length, whose epochs end with a failed read (see
         `_replica_update`). The traced step is kept per iterator and called directly (`tfmp.calls`), its first
@@ -186,8 +186,8 @@ class Steps:
             return self._call(kept, updates)
         fn = (self._many if updates > 1 else self._one)[gate]
         traced = self._first_call(self._trace_and_call, fn, iterator, updates)
-        if traced is _FAILED:  # XLA failed to compile (or to trace: a merge call): the same update without it.
-            return self.dispatch(iterator, updates, gated)
+        if traced is FELL_BACK:  # XLA failed to compile (or to trace: a merge call), its batches read: without it,
+            return self.dispatch(iterator, updates, gated) if retry else FELL_BACK  # on (`retry`) or read again.
         kept, out = traced
         if len(self._concrete) > 8:  # Iterators of epochs gone.
             calls.let_go_of(self._concrete)
@@ -389,7 +389,7 @@ class Steps:
         with calls.LetGo(iter(dataset)) as held:  # Deleted on a thread of its own at the end, an error's or not.
             for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
                 callbacks.on_test_batch_begin(i)
-                if self._first_call(test, batch) is _FAILED:  # XLA failed to compile: the same batch without it.
+                if self._first_call(test, batch) is FELL_BACK:  # XLA failed to compile: the same batch without it.
                     test = calls.OfBatches(self._test, test.spec)
                     test(batch)
                 callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
