@@ -86,13 +86,14 @@ def candidates(model, exclude=()):
     return chosen
 
 
-def quantize(model, exclude=()):
+def quantize(model, exclude=(), *, named="float8 exclude"):
     """Runs the matmuls of `model`'s eligible layers (`candidates`) in float8, in place.
 
     Args:
         model: a built Keras model whose optimizer is not built yet (it must be built
             with the float8 state variables).
         exclude: layer names or full-match regular expressions to leave in 16 bits.
+        named: what a message calls `exclude` (train.py: its flag).
 
     Returns:
         The paths of the layers now running in float8.
@@ -103,7 +104,7 @@ def quantize(model, exclude=()):
     if not model.built:
         raise UsageError(f"float8: build {model.name} first (call it on a batch) so that its layers can be quantized")
     # A typo would leave its layer in float8.
-    precision.require_matches(model, [exclude] if isinstance(exclude, str) else exclude, "float8 exclude")
+    precision.require_matches(model, [exclude] if isinstance(exclude, str) else exclude, named)
     chosen = candidates(model, exclude)
     optimizer = getattr(model, "optimizer", None)
     if chosen and optimizer is not None and optimizer.built:

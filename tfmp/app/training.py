@@ -330,8 +330,7 @@ def _model_builder(config, entry, ds):
             # A typo's name, said before the block's warning or any training, naming the flag.
             precision.require_matches(model, config.keep_float32, "--keep_float32")
         if precision.float8_enabled():  # Before compile builds the optimizer (tfmp.float8).
-            precision.require_matches(model, config.float8_exclude, "--float8_exclude")
-            float8.quantize(model, exclude=list(config.float8_exclude))
+            float8.quantize(model, exclude=list(config.float8_exclude), named="--float8_exclude")
         return model
 
     return build_model
