@@ -11,10 +11,10 @@ import tensorflow as tf
 from conftest import GPUS
 from tensorflow.python.eager import context
 from tensorflow.python.framework import config as tf_config  # No public switch off.
-from test_xla import regression_data, tiny_regression
+from test_xla import regression_data
 
 import tfmp
-from tfmp import tf_compat, xla
+from tfmp import xla
 
 
 class HostIdentity(keras.layers.Layer):
@@ -73,18 +73,23 @@ class Elsewhere(keras.layers.Layer):
 def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch, found):
     """XLA reads only the step's device (on a GPU, TensorFlow keeps int32 variables on the
     host): the fallback's warning names the variable, where it was made and what to do,
-    whether the up-front probe finds it or the first step (a variable the probe's forward
-    and backward passes do not read, such as a metric's)."""
+    whether the up-front probe finds it (a generator's batches, which run once) or the first
+    step (a dataset's, read again; or a variable the probe's forward and backward passes do
+    not read, such as a metric's)."""
+    monkeypatch.setattr(xla, "_PROBES", {})
     if found == "at the first step":
         monkeypatch.setattr(xla, "probe", lambda *_: None)
-        monkeypatch.setattr(xla, "_PROBES", {})
+
+    def data():
+        return (batch for batch in regression_data()) if found == "up front" else regression_data()
+
     model = keras.Sequential([keras.Input((8,)), Elsewhere(), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(0.1), "mse")
     with caplog.at_level(logging.WARNING):
-        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
-        assert np.isfinite(history.history["loss"][0]) and int(model.optimizer.iterations.numpy()) >= 7
+        history = tfmp.fit(model, data(), epochs=1, jit_compile=True, verbose=0)
+        assert np.isfinite(history.history["loss"][0]) and int(model.optimizer.iterations.numpy()) == 8
         # A second fit keeps the model's steps: it knows the answer and does not compile again.
-        again = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0)
+        again = tfmp.fit(model, data(), epochs=1, jit_compile=True, verbose=0)
     for run in (history, again):  # Up front or at the first step, the params say what was done and why.
         assert run.params["jit_compile"] is False
         assert run.params["jit_compile_reason"].startswith("XLA cannot compile this model: variable ")
@@ -119,39 +124,66 @@ def test_compile_failure_at_run_time_falls_back_on_the_batches_it_read(monkeypat
         np.testing.assert_array_equal(trained, without)
 
 
-def test_what_xla_refused_under_op_determinism_is_probed_again_without_it(monkeypatch):
-    """Whether XLA compiles a model can hang on op determinism (TF 2.18 has no deterministic
-    XLA MaxPool gradient): a refusal found with it on is no answer for a run with it off."""
-    monkeypatch.setattr(xla, "probe", lambda *_: "no deterministic kernel" if tf_compat.op_determinism() else None)
-    monkeypatch.setattr(xla, "_PROBES", {})
-    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
-    refused = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
-    tf_config.disable_op_determinism()
-    compiled = tfmp.fit(tiny_regression(), regression_data(), epochs=1, jit_compile=True, verbose=0)
-    assert refused.params["jit_compile"] is False and compiled.params["jit_compile"] is True
-
-
-def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off():
-    """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
-    device; the reason names the op and the switch, not a GPU a CPU run does not have. And
-    the probe needs no global seed, which model.fit needs only to shuffle arrays (TensorFlow
-    finds the device to lower for by running a random op, which op determinism refuses
-    unseeded)."""
+def maxpool_model():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.MaxPooling2D()])
     model.add(keras.layers.Flatten())
     model.add(keras.layers.Dense(1))
     model.compile(keras.optimizers.SGD(0.01), "mse")
+    return model
+
+
+def images(batches=2):
+    for _ in range(batches):
+        yield np.ones((8, 4, 4, 1), "float32"), np.ones((8, 1), "float32")
+
+
+def arrays():
+    return np.ones((16, 4, 4, 1), "float32"), np.ones((16, 1), "float32")
+
+
+def test_what_xla_refused_under_op_determinism_is_tried_again_without_it(monkeypatch, caplog):
+    """Whether XLA compiles a model can hang on op determinism (no deterministic XLA MaxPool
+    gradient): a refusal found with it on, and kept for models alike, is no answer for a run
+    with it off."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
+    with caplog.at_level(logging.WARNING):
+        refused = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+        # A model alike is told, not tried again: one warning.
+        kept = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+    assert len([r for r in caplog.records if "XLA cannot compile" in r.getMessage()]) == 1
+    tf_config.disable_op_determinism()
+    compiled = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+    assert refused.params["jit_compile"] is False and kept.params["jit_compile"] is False
+    assert compiled.params["jit_compile"] is True
+
+
+@pytest.mark.parametrize("given", ["arrays", "a generator"])
+def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monkeypatch, given):
+    """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
+    device; the reason names the op and the switch, not a GPU a CPU run does not have, whether
+    the first step finds it (arrays: their batch is read again without XLA) or the up-front
+    probe (a generator's batches run once). And neither needs a global seed, which model.fit
+    needs only to shuffle arrays (TensorFlow finds the device to lower for by running a random
+    op, which op determinism refuses unseeded)."""
+    probed = []
+    monkeypatch.setattr(xla, "probe", lambda *a, probe=xla.probe: probed.append(1) or probe(*a))
+    monkeypatch.setattr(xla, "_PROBES", {})
+    model = maxpool_model()
     seed = context.global_seed()
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
     tf.random.set_seed(None)
+    data = dict(zip(("x", "y"), arrays(), strict=True), batch_size=8) if given == "arrays" else {"x": images()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # Not TensorFlow's of a deprecated argument either.
-            history = tfmp.fit(model, np.ones((16, 4, 4, 1), "float32"), np.ones((16, 1)), jit_compile=True, verbose=0)
+            history = tfmp.fit(model, **data, jit_compile=True, verbose=0)
     finally:
         tf.random.set_seed(seed)
     assert history.params["jit_compile_reason"] == (
         "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
         "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
     )
+    assert len(probed) == (given == "a generator")  # A first step that may refuse is not traced twice.
+    assert int(model.optimizer.iterations.numpy()) == 2  # Every batch trained, none lost to the refusal.

@@ -105,6 +105,7 @@ class Steps:
         self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
+        self.refused = lambda why: None  # Told that why (`xla.resolve` keeps it for models alike).
         self._made = {}  # XLA on? -> what `compile` made for it, as it was when left.
         self.compile(jit_compile)
 
@@ -159,6 +160,7 @@ class Steps:
             if not xla.is_compile_failure(e):
                 raise
             self.fallback = xla.reason(e)
+            self.refused(self.fallback)
             logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
             self.compile(False)
             return FELL_BACK

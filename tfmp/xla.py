@@ -218,13 +218,17 @@ def measure(steps, batches, budget_seconds=None, clock=time.perf_counter):
 _AS_COMPILED = '{}: the model was compiled with jit_compile={}, which "auto" follows, as model.fit does'
 
 
-def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
+def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refuses_late=False):
     """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
 
     `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g.
     `print`) hears, before "autotune" times XLA, what that will cost. XLA is tried (a
     compile of the step, seconds) only where it would be used: never for a rule that says off.
-    "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`)."""
+    "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`).
+    `refuses_late`: whether a first step that XLA cannot compile may find it out itself, and
+    run again without XLA on the batches it read (an input read again from where it was, on
+    one worker): then no `probe` traces the step up front (seconds, for a large model), unless
+    "autotune" is to time it. A refusal found either way is kept for models alike."""
     check(jit_compile)
     on, off = "on", "off"
     compiled_with = keras_compat.compiled_jit_compile(steps.model) if jit_compile == "auto" else None
@@ -256,11 +260,12 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None):
             return use, why
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
-    if key not in _PROBES:
+    if key not in _PROBES and not (refuses_late and (jit_compile is True or ruled)):
         _PROBES[key] = probe(steps, batches)
         if _PROBES[key]:
             logging.warning("XLA cannot compile this model (%s); training without XLA", _PROBES[key])
-    refused = _PROBES[key] or steps.fallback  # (Or a first step of these steps, where the probe missed it.)
+    steps.refused = lambda why: _PROBES.setdefault(key, why)  # What a first step found, for models alike.
+    refused = _PROBES.get(key) or steps.fallback  # (Or a first step of these steps, where no probe found it.)
     if refused:
         use, why = False, f"XLA cannot compile this model: {refused}"
     elif jit_compile is True:
@@ -332,7 +337,7 @@ def _show(use):
     return ON if use else OFF
 
 
-def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True, say=None):
+def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, reuse=True, say=None, **late):
     """`resolve` for a run kept in `directory`: where "autotune" decided before for this
     directory (a resumed run, or a rerun of the same command), that decision is taken
     again, so that the run trains as the recorded one did; a decision that differs from
@@ -342,6 +347,7 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
         reuse: False where the recorded decision must not be taken (several workers,
             which must all decide alike, and may not all see `directory`).
         say: hears what a timing will cost before it runs (see `resolve`).
+        late: `refuses_late`, as `resolve` takes it.
 
     Returns:
         (XLA on?, why, whether it is a choice "autotune" made now: `decisions.record` it as
@@ -349,12 +355,12 @@ def resolve_run(steps, element_spec, jit_compile, directory, per_replica=False, 
     """
     entry = decisions.recorded(directory, "jit_compile")
     if jit_compile == "autotune" and entry is not None and reuse:
-        use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica, say)
+        use, why = resolve(steps, element_spec, bool(entry["value"]), per_replica, say, **late)
         if use == entry["value"]:
             why = decisions.reused_reason(directory, entry)
         chosen_now = False
     else:
-        use, why = resolve(steps, element_spec, jit_compile, per_replica, say)
+        use, why = resolve(steps, element_spec, jit_compile, per_replica, say, **late)
         chosen_now = jit_compile == "autotune" and directory is not None and entry is None
     decisions.say_if_different(directory, "XLA", entry, use, _show)
     return use, why, chosen_now
