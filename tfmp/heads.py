@@ -102,10 +102,26 @@ def made_before_policy(model):
     )
 
 
-def warn_if_made_before_policy(model):
-    """Logs `made_before_policy`'s warning, if any."""
-    if why := made_before_policy(model):
-        logging.warning("%s", why)
+def float16_weights(model):
+    """Why `model`'s float16 trainable weights would train badly, or None where it has none: the optimizer
+    updates them in float16 (Keras' own does, as tfmp's: only bfloat16 weights get compensated updates)."""
+    held = [v.path for v in model.trainable_variables if keras.backend.standardize_dtype(v.dtype) == "float16"]
+    if not held:
+        return None
+    named = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return (
+        f"{len(held)} trainable weight{'s' if len(held) > 1 else ''} of {model.name} stored in float16 ({named}): "
+        "the optimizer updates them in float16, where a change smaller than half a float16 step of its weight "
+        "(2^-12 of it) rounds away and Adam's second moment flushes to zero for gradients under 2.4e-4; give "
+        "their layers dtype='mixed_float16' (float32 weights, float16 compute)"
+    )
+
+
+def warn_before_training(model):
+    """Logs `made_before_policy`'s and `float16_weights`' warnings, if any."""
+    for why in (made_before_policy(model), float16_weights(model)):
+        if why:
+            logging.warning("%s", why)
 
 
 def audit(model):
@@ -131,7 +147,7 @@ def audit(model):
         }
         for layer in keras_compat.sublayers(model)
     ]
-    problems = [why] if (why := made_before_policy(model)) else []
+    problems = [why for why in (made_before_policy(model), float16_weights(model)) if why]
     outputs = getattr(model, "outputs", None) or []  # A subclassed model has no graph to read them from.
     for i, output in enumerate(outputs):
         layer = keras_compat.producer(output)

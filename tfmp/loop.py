@@ -249,7 +249,7 @@ def fit(
         if model.run_eagerly:  # Keras fit would run train_step eagerly, each op as Python reaches it.
             logging.warning("tfmp.fit traces its step: compile(run_eagerly=True) does not apply (model.fit's does)")
         bf16.warn_bfloat16_statistics(model)
-        heads.warn_if_made_before_policy(model)
+        heads.warn_before_training(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
         except cudnn.ERROR as e:
