@@ -241,6 +241,20 @@ def test_a_frozen_layer_and_one_with_lora_stay_in_bfloat16():
     assert model.get_layer("hidden").compute_dtype == model.get_layer("hidden2").compute_dtype == "bfloat16"
 
 
+def test_a_layer_frozen_after_float8_is_warned_of(caplog):
+    """Frozen once in float8, its scales stop where they are (1 if it never trained): tfmp.fit says so, naming it."""
+    tfmp.configure_precision("float8")
+    model = build()
+    float8.quantize(model)
+    model.get_layer("hidden2").trainable = False
+    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with caplog.at_level("WARNING"):
+        tfmp.fit(model, data(), epochs=1, verbose=0)
+    (warning,) = [r.getMessage() for r in caplog.records if "are frozen" in r.getMessage()]
+    assert warning.startswith(f"float8 layers {model.get_layer('hidden2').path} are frozen"), warning
+    assert all(float(np.max(v)) == 1.0 for v in model.get_layer("hidden2").weights if "scale" in v.path)
+
+
 @keras.saving.register_keras_serializable("tfmp_tests")
 class Block(keras.layers.Layer):
     """A block as GUIDE.md asks of a layer making float8 sublayers in `__init__`: each with the block's policy and

@@ -21,6 +21,7 @@ import weakref
 
 import keras
 import numpy as np
+from absl import logging
 
 from tfmp import heads, keras_compat, precision
 from tfmp.errors import UsageError
@@ -50,6 +51,23 @@ def decided(model):
 def quantized_layers(model):
     """The layers of `model` whose matmuls run in float8."""
     return [layer for layer in keras_compat.sublayers(model) if getattr(layer, "quantization_mode", None) == "float8"]
+
+
+def warn_frozen(model):
+    """One warning naming `model`'s float8 layers that are frozen (their scales no longer move); returns their
+    paths."""
+    frozen = [layer for layer in quantized_layers(model) if not layer.trainable]
+    if frozen:
+        names = [layer.path or layer.name for layer in frozen]
+        logging.warning(
+            "float8 layers %s are frozen (trainable=False), and a float8 layer's scales move only as it trains: "
+            "theirs stay as they are (at 1.0 where never trained, and inputs beyond E4M3's 448 saturate); freeze "
+            "a layer before its model is quantized (float8 leaves frozen layers in 16 bits), or exclude it "
+            "(float8_exclude; train.py: --float8_exclude)",
+            ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
+        )
+        return names
+    return []
 
 
 def _heads(model):

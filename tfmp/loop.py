@@ -245,11 +245,11 @@ def fit(
         # What was decided, beside what was asked (decisions.json holds it for reruns).
         policy = keras.config.dtype_policy().name
         run.callbacks.set_params({**run.callbacks.params, "jit_compile_reason": why, "dtype_policy": policy})
-        cudnn.warn_before_training(model)
         if model.run_eagerly:  # Keras fit would run train_step eagerly, each op as Python reaches it.
             logging.warning("tfmp.fit traces its step: compile(run_eagerly=True) does not apply (model.fit's does)")
-        bf16.warn_bfloat16_statistics(model)
-        heads.warn_before_training(model)
+        for warn in (cudnn.warn_before_training, bf16.warn_bfloat16_statistics, heads.warn_before_training):
+            warn(model)
+        float8.warn_frozen(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
         except cudnn.ERROR as e:
