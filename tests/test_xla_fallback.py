@@ -45,6 +45,16 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+def test_evaluate_alone_finds_the_refusal_at_its_first_batch_and_evaluates_every_batch(monkeypatch, caplog):
+    """No probe runs up front: the first batch, refused, is evaluated again without XLA (the same results)."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
+    with caplog.at_level(logging.WARNING):
+        refused = tfmp.evaluate(host_model(), regression_data(), jit_compile=True, return_dict=True)
+    assert refused == tfmp.evaluate(host_model(), regression_data(), jit_compile=False, return_dict=True)
+    assert len([r for r in caplog.records if "without XLA" in r.getMessage()]) == 1
+
+
 def test_a_model_of_string_input_is_told_that_xla_takes_no_strings():
     words = np.array([["good"], ["bad"], ["fine"], ["awful"]] * 16)
     lookup = keras.layers.StringLookup(vocabulary=["good", "bad", "fine", "awful"], output_mode="one_hot")
@@ -106,16 +116,19 @@ def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch,
     assert xla._elsewhere("some other failure") is None  # noqa: SLF001
 
 
-@pytest.mark.parametrize("read", ["by epoch", "as a stream", "by epoch on 2 replicas"])
+@pytest.mark.parametrize("read", ["by epoch", "as a stream", "by epoch on 2 replicas", "2 updates a call of 2"])
 def test_compile_failure_at_run_time_falls_back_on_the_batches_it_read(monkeypatch, caplog, request, read):
-    """Where the up-front check misses a failure, the first step falls back instead of crashing, and trains on the
-    batch the failed step had read, read again from the input (it was lost: other weights than without XLA)."""
-    monkeypatch.setattr(xla, "probe", lambda *_: None)
+    """A dataset's first step finds the failure (no probe runs up front), falls back instead of crashing, and trains
+    on the batches the failed step had read, read again from the input (they were lost: other weights than without
+    XLA): one, or a call's 2 updates of 2 accumulated batches each."""
+    monkeypatch.setattr(xla, "probe", lambda *_: None)  # (A probe would not run here anyway.)
     monkeypatch.setattr(xla, "_PROBES", {})
     strategy = request.getfixturevalue("mirrored") if "replicas" in read else tf.distribute.get_strategy()
     with strategy.scope():
         model, plain = host_model(), host_model()
     kw = {"epochs": 2, "steps_per_epoch": 5} if read == "as a stream" else {"epochs": 1}  # 8 batches an epoch.
+    if read == "2 updates a call of 2":
+        kw.update(steps_per_execution=2, grad_accum_steps=2)
     with caplog.at_level(logging.WARNING):
         history = tfmp.fit(model, regression_data(), jit_compile=True, verbose=0, **kw)
     assert any("without XLA" in r.getMessage() for r in caplog.records) and history.params["jit_compile"] is False

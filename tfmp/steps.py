@@ -1,10 +1,10 @@
 """The compiled train and test steps behind `tfmp.fit`, for any compiled Keras model.
 
-One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own
-`compute_loss` (its compiled losses, loss weights, sample weights and regularization, each a mean over the
-GLOBAL batch), summing their gradients locally; the sum is all-reduced once, clipped by the global norm of the
-reduced, unscaled gradients, and applied. Under loss scaling the update is skipped on every replica when any
-reduced gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
+One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own `compute_loss`
+(its compiled losses, loss weights, sample weights and regularization, each a mean over the GLOBAL batch), summing
+their gradients locally; the sum is all-reduced once, clipped by the global norm of the reduced, unscaled gradients,
+and applied. Under loss scaling the update is skipped on every replica when any reduced gradient is non-finite,
+without advancing `iterations` or the learning-rate schedule.
 """
 
 import itertools
@@ -134,8 +134,7 @@ class Steps:
         self.gradients = jit(self.replica_gradients)  # The forward and backward passes alone.
         self._forward = jit(self._replica_forward)
         one, tpu = self.strategy.num_replicas_in_sync == 1, distribute.strategy_name(self.strategy) == "tpu"
-        # TPUs compile the whole replica function anyway: there the stages stay plain.
-        self._split = not one and not tpu
+        self._split = not one and not tpu  # TPUs compile the whole replica function anyway: plain stages.
         self._step = jit(self._packed_update) if one else self._packed_update
         self._quiet_step = jit(self._update) if one else self._update  # No outputs: not the call's last.
         self._compute = jit(self._compute_stage) if self._split else self._compute_stage
@@ -163,6 +162,7 @@ class Steps:
             self.refused(self.fallback)
             logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
             self.compile(False)
+            self.model.reset_metrics()  # What the failed call's ops outside XLA counted (an evaluation's examples).
             return FELL_BACK
         self._ran = True
         return out
