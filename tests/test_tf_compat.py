@@ -112,3 +112,25 @@ def test_function_counts_its_traces_apart_from_those_of_functions_made_from_the_
     assert _retracing_warnings(tf.function, caplog)  # TensorFlow's count, which tfmp's steps would read as retracing.
     assert not _retracing_warnings(tf_compat.function, caplog)
     assert tf_compat.function(autograph=False)(lambda x: x + 1)(tf.constant(1)).numpy() == 2  # The decorator form.
+
+
+def test_reorders_sees_a_shuffle_or_random_source_drawing_anew_for_each_iterator():
+    """Two iterators of one shuffled dataset read different orders (tf.data's default); `reorders` finds the
+    shuffle wherever it sits in the pipeline, and not where each iterator reads alike."""
+    shuffled = tf.data.Dataset.range(8).shuffle(8, seed=1)
+    assert list(shuffled.as_numpy_iterator()) != list(shuffled.as_numpy_iterator())
+    ranges = [tf.data.Dataset.range(3)] * 2
+    for dataset in (
+        shuffled,
+        tf.data.Dataset.zip(tf.data.Dataset.range(8), shuffled).batch(2).map(lambda a, b: a + b).prefetch(1),
+        tf.data.Dataset.sample_from_datasets(ranges, seed=1, rerandomize_each_iteration=True),
+    ):
+        assert tf_compat.reorders(dataset), dataset
+    fixed = tf.data.Dataset.range(8).shuffle(8, seed=1, reshuffle_each_iteration=False)
+    assert list(fixed.as_numpy_iterator()) == list(fixed.as_numpy_iterator())
+    for dataset in (
+        fixed.batch(2),
+        tf.data.Dataset.range(8).repeat(),
+        tf.data.Dataset.sample_from_datasets(ranges, seed=1),
+    ):
+        assert not tf_compat.reorders(dataset), dataset

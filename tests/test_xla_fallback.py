@@ -45,6 +45,21 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
+def test_shuffled_arrays_are_probed_up_front_and_train_as_without_xla(monkeypatch):
+    """A new iterator of shuffled arrays draws the next order: a refusal found at the first step would read
+    another first epoch than without XLA (its losses differed). Such an input is probed up front instead."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    rng = np.random.default_rng(1)
+    x = rng.random((100, 8), dtype=np.float32)
+    refused, plain = host_model(), host_model()
+    kw = {"batch_size": 16, "epochs": 2, "verbose": 0}
+    history = tfmp.fit(refused, x, x.sum(1), jit_compile=True, **kw)
+    assert history.params["jit_compile"] is False
+    assert history.history == tfmp.fit(plain, x, x.sum(1), jit_compile=False, **kw).history
+    for trained, without in zip(refused.weights, plain.weights, strict=True):
+        np.testing.assert_array_equal(trained, without)
+
+
 def test_evaluate_alone_finds_the_refusal_at_its_first_batch_and_evaluates_every_batch(monkeypatch, caplog):
     """No probe runs up front: the first batch, refused, is evaluated again without XLA (the same results)."""
     monkeypatch.setattr(xla, "_PROBES", {})
@@ -155,6 +170,9 @@ def arrays():
     return np.ones((16, 4, 4, 1), "float32"), np.ones((16, 1), "float32")
 
 
+ALIKE = {"batch_size": 8, "shuffle": False}  # Read alike by every iterator: a refusal is left to the first step.
+
+
 def test_what_xla_refused_under_op_determinism_is_tried_again_without_it(monkeypatch, caplog):
     """Whether XLA compiles a model can hang on op determinism (no deterministic XLA MaxPool
     gradient): a refusal found with it on, and kept for models alike, is no answer for a run
@@ -162,22 +180,23 @@ def test_what_xla_refused_under_op_determinism_is_tried_again_without_it(monkeyp
     monkeypatch.setattr(xla, "_PROBES", {})
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
     with caplog.at_level(logging.WARNING):
-        refused = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+        refused = tfmp.fit(maxpool_model(), *arrays(), **ALIKE, jit_compile=True, verbose=0)
         # A model alike is told, not tried again: one warning.
-        kept = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+        kept = tfmp.fit(maxpool_model(), *arrays(), **ALIKE, jit_compile=True, verbose=0)
     assert len([r for r in caplog.records if "XLA cannot compile" in r.getMessage()]) == 1
     tf_config.disable_op_determinism()
-    compiled = tfmp.fit(maxpool_model(), *arrays(), batch_size=8, jit_compile=True, verbose=0)
+    compiled = tfmp.fit(maxpool_model(), *arrays(), **ALIKE, jit_compile=True, verbose=0)
     assert refused.params["jit_compile"] is False and kept.params["jit_compile"] is False
     assert compiled.params["jit_compile"] is True
 
 
-@pytest.mark.parametrize("given", ["arrays", "a generator"])
+@pytest.mark.parametrize("given", ["arrays", "shuffled arrays", "a generator"])
 def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monkeypatch, given):
     """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
     device; the reason names the op and the switch, not a GPU a CPU run does not have, whether
-    the first step finds it (arrays: their batch is read again without XLA) or the up-front
-    probe (a generator's batches run once). And neither needs a global seed, which model.fit
+    the first step finds it (arrays in order: their batch is read again without XLA) or the
+    up-front probe (shuffled arrays, whose next iterator draws another order, and a
+    generator's batches, which run once). And neither needs a global seed, which model.fit
     needs only to shuffle arrays (TensorFlow finds the device to lower for by running a random
     op, which op determinism refuses unseeded)."""
     probed = []
@@ -187,7 +206,8 @@ def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monke
     seed = context.global_seed()
     tf.config.experimental.enable_op_determinism()  # conftest turns it off again after the test.
     tf.random.set_seed(None)
-    data = dict(zip(("x", "y"), arrays(), strict=True), batch_size=8) if given == "arrays" else {"x": images()}
+    given_arrays = dict(zip(("x", "y"), arrays(), strict=True), batch_size=8, shuffle=given == "shuffled arrays")
+    data = given_arrays if "arrays" in given else {"x": images()}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # Not TensorFlow's of a deprecated argument either.
@@ -198,5 +218,5 @@ def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monke
         "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
         "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
     )
-    assert len(probed) == (given == "a generator")  # A first step that may refuse is not traced twice.
+    assert len(probed) == (given != "arrays")  # A first step that may refuse is not traced twice.
     assert int(model.optimizer.iterations.numpy()) == 2  # Every batch trained, none lost to the refusal.

@@ -129,6 +129,12 @@ class Input:
         return not self.streamed or self.generator
 
     @property
+    def read_alike(self):
+        """Whether a new iterator reads the same batches in the same order (not a generator's, nor a callable's,
+        and no shuffle drawing a new order for each: `tf_compat.reorders`), as `Run._fell_back` needs."""
+        return self.fn is None and not self.generator and not tf_compat.reorders(self.data)
+
+    @property
     def generator(self):
         """Whether the input is a Python generator's batches (which run once)."""
         return pydata.runs_once(self._given)

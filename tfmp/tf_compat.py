@@ -147,6 +147,22 @@ def host_variable(value):
         return resource_variable_ops.ResourceVariable(value, trainable=False)
 
 
+def reorders(dataset):
+    """Whether `dataset` may read in another order from each new iterator: a shuffle that draws a new order each
+    iteration (tf.data's default, `model.fit`'s arrays), or a random source drawing anew, anywhere in the pipeline
+    it was made from (through its private `_inputs`; where that cannot be read, it may)."""
+    stack = [dataset]
+    try:
+        while stack:
+            found = stack.pop()
+            if any(getattr(found, name, False) for name in ("_reshuffle_each_iteration", "_rerandomize")):
+                return True
+            stack.extend(found._inputs())  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - a dataset of a kind that does not say: it may.
+        return True
+    return False
+
+
 def op_determinism():
     """Whether `tf.config.experimental.enable_op_determinism()` is on (TensorFlow has no
     public getter)."""
