@@ -1,10 +1,10 @@
 """The compiled train and test steps behind `tfmp.fit`, for any compiled Keras model.
 
-One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own `compute_loss`
-(its compiled losses, loss weights, sample weights and regularization, each a mean over the GLOBAL batch), summing
-their gradients locally; the sum is all-reduced once, clipped by the global norm of the reduced, unscaled gradients,
-and applied. Under loss scaling the update is skipped on every replica when any reduced gradient is non-finite,
-without advancing `iterations` or the learning-rate schedule.
+One update: each replica runs `grad_accum_steps` batches forward and backward with the model's own
+`compute_loss` (its compiled losses, loss weights, sample weights and regularization, each a mean over the
+GLOBAL batch), summing their gradients locally; the sum is all-reduced once, clipped by the global norm of the
+reduced, unscaled gradients, and applied. Under loss scaling the update is skipped on every replica when any
+reduced gradient is non-finite, without advancing `iterations` or the learning-rate schedule.
 """
 
 import itertools
