@@ -113,7 +113,8 @@ def float16_weights(model):
         f"{len(held)} trainable weight{'s' if len(held) > 1 else ''} of {model.name} stored in float16 ({named}): "
         "the optimizer updates them in float16, where a change smaller than half a float16 step of its weight "
         "(2^-12 of it) rounds away and Adam's second moment flushes to zero for gradients under 2.4e-4; give "
-        "their layers dtype='mixed_float16' (float32 weights, float16 compute)"
+        "their layers dtype='mixed_float16' (float32 weights, float16 compute; for every layer, the "
+        "mixed_float16 policy: tfmp.configure_precision('mixed_float16'))"
     )
 
 
