@@ -32,7 +32,7 @@ from absl import logging
 
 from tfmp import adafactor, keras_compat, keras_optimizers
 from tfmp.choices import ROUNDINGS  # noqa: F401 - re-exported: named where TensorFlow need not load.
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, some_of
 
 NEAREST_WARNING = (
     "bfloat16 with rounding='nearest' (Keras' behaviour) drops every update smaller than half a bfloat16 step of "
@@ -348,7 +348,7 @@ def warn_bfloat16_statistics(model):
             "BatchNormalization %s keep their moving statistics in bfloat16, where their updates round away "
             "(nothing compensates them: they are not trained by the optimizer); build them with "
             "dtype=tfmp.bf16.statistics_policy() (float32 statistics) or dtype='float32'.",
-            ", ".join(stuck[:5]) + (f" and {len(stuck) - 5} more" if len(stuck) > 5 else ""),
+            some_of(stuck),
         )
     return stuck
 

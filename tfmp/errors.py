@@ -26,6 +26,11 @@ def first_line(error, limit=200, default=None):
     return text.splitlines()[0][:limit]
 
 
+def some_of(names, shown=5):
+    """`names` for a one-line report: the first `shown`, comma-separated, then "and N more"."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class UsageError(ValueError):
     """A bad setting from the user: the message names the value, the choices and the fix.
 

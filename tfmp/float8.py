@@ -24,7 +24,7 @@ import numpy as np
 from absl import logging
 
 from tfmp import heads, keras_compat, precision
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, some_of
 
 POLICY = "float8"
 E4M3_MAX = 448.0  # float8_e4m3fn: inputs and kernels.
@@ -54,20 +54,16 @@ def quantized_layers(model):
 
 
 def warn_frozen(model):
-    """One warning naming `model`'s float8 layers that are frozen (their scales no longer move); returns their
-    paths."""
-    frozen = [layer for layer in quantized_layers(model) if not layer.trainable]
+    """One warning naming `model`'s float8 layers that are frozen (their scales no longer move), if any."""
+    frozen = [layer.path or layer.name for layer in quantized_layers(model) if not layer.trainable]
     if frozen:
-        names = [layer.path or layer.name for layer in frozen]
         logging.warning(
             "float8 layers %s are frozen (trainable=False), and a float8 layer's scales move only as it trains: "
             "theirs stay as they are (at 1.0 where never trained, and inputs beyond E4M3's 448 saturate); freeze "
             "a layer before its model is quantized (float8 leaves frozen layers in 16 bits), or exclude it "
             "(float8_exclude; train.py: --float8_exclude)",
-            ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else ""),
+            some_of(frozen),
         )
-        return names
-    return []
 
 
 def _heads(model):

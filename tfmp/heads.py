@@ -4,6 +4,7 @@ import keras
 from absl import logging
 
 from tfmp import keras_compat
+from tfmp.errors import some_of
 
 _LOW = ("float16", "bfloat16")
 _SQUASHERS = ("softmax", "sigmoid")
@@ -108,9 +109,9 @@ def float16_weights(model):
     held = [v.path for v in model.trainable_variables if keras.backend.standardize_dtype(v.dtype) == "float16"]
     if not held:
         return None
-    named = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
     return (
-        f"{len(held)} trainable weight{'s' if len(held) > 1 else ''} of {model.name} stored in float16 ({named}): "
+        f"{len(held)} trainable weight{'s' if len(held) > 1 else ''} of {model.name} stored in float16 "
+        f"({some_of(held, 3)}): "
         "the optimizer updates them in float16, where a change smaller than half a float16 step of its weight "
         "(2^-12 of it) rounds away and Adam's second moment flushes to zero for gradients under 2.4e-4; give "
         "their layers dtype='mixed_float16' (float32 weights, float16 compute; for every layer, the "
