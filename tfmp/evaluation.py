@@ -3,7 +3,7 @@
 import keras
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import distribute, fit_data, inputs, keras_compat, loop, tf_compat, xla
+from tfmp import fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp.errors import UsageError
 from tfmp.run import evaluated_nothing, runs_once
 
@@ -68,8 +68,8 @@ def evaluate(
     )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = loop.prepare(model, strategy, source.element_spec, evaluating=True)
-    late = distribute.num_workers(compiled.strategy) < 2  # A refusal at the first batch evaluates it again without XLA.
-    xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None, refuses_late=late)
+    # A refusal at the first batch evaluates that batch again without XLA.
+    xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None, refuses_late=True)
     callbacks = keras.callbacks.CallbackList(
         callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=source.steps, model=model
     )

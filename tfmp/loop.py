@@ -210,7 +210,7 @@ def fit(
         per_replica=train_input.fn is not None,
         reuse=distribute.num_workers(strategy) < 2,
         say=(lambda line: print(line, flush=True)) if verbose != 0 else None,
-        refuses_late=train_input.read_alike and distribute.num_workers(strategy) < 2,  # (`run._fell_back`)
+        refuses_late=train_input.read_alike,  # (`run._fell_back`)
     )
     agree.check(  # Before any collective of training: the choices each worker made by its hardware, the arguments.
         strategy,

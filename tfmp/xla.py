@@ -225,10 +225,9 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refus
     `print`) hears, before "autotune" times XLA, what that will cost. XLA is tried (a
     compile of the step, seconds) only where it would be used: never for a rule that says off.
     "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`).
-    `refuses_late`: whether a first step that XLA cannot compile may find it out itself, and
-    run again without XLA on the batches it read (an input read again from where it was, on
-    one worker): then no `probe` traces the step up front (seconds, for a large model), unless
-    "autotune" is to time it. A refusal found either way is kept for models alike."""
+    `refuses_late`: whether a first step XLA cannot compile may find it out itself and run the batches it
+    read again without XLA (an input read again alike): then, on one worker, no `probe` traces the step up
+    front (seconds, for a large model) unless "autotune" times it. A refusal is kept for models alike."""
     check(jit_compile)
     on, off = "on", "off"
     compiled_with = keras_compat.compiled_jit_compile(steps.model) if jit_compile == "auto" else None
@@ -252,7 +251,8 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refus
             f"{jit_compile}: off: the data's shapes vary beyond the batch ({varying[0]}), and XLA would compile the "
             "step anew for each (pad to fixed lengths, or jit_compile=True)"
         )
-    ruled = jit_compile == "auto" or distribute.num_workers(steps.strategy) > 1 or tf_compat.op_determinism()
+    several = distribute.num_workers(steps.strategy) > 1  # Workers decide alike: by the rule, up front.
+    ruled = jit_compile == "auto" or several or tf_compat.op_determinism()
     if jit_compile is not True and ruled:  # The rule's answer stands unless XLA cannot compile the model.
         use, why = _rule(steps, jit_compile)
         if not use:
@@ -260,7 +260,7 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refus
             return use, why
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
-    if key not in _PROBES and not (refuses_late and (jit_compile is True or ruled)):
+    if key not in _PROBES and not (refuses_late and not several and (jit_compile is True or ruled)):
         _PROBES[key] = probe(steps, batches)
         if _PROBES[key]:
             logging.warning("XLA cannot compile this model (%s); training without XLA", _PROBES[key])
