@@ -17,13 +17,27 @@ import tfmp
 from tfmp import xla
 
 
-class HostIdentity(keras.layers.Layer):
-    """Passes its input through a host (numpy) call, which XLA cannot compile."""
+def host_identity(x):
+    """`x` through a host (numpy) call, which XLA cannot compile."""
+    y = tf.numpy_function(lambda a: a, [x], x.dtype)
+    y.set_shape(x.shape)
+    return y
 
+
+class HostIdentity(keras.layers.Layer):
     def call(self, x):
-        y = tf.numpy_function(lambda a: a, [x], x.dtype)
-        y.set_shape(x.shape)
-        return y
+        return host_identity(x)
+
+
+class HostWhen(keras.layers.Layer):
+    """A host call in training only, or in inference only (`training`): the other branch compiles."""
+
+    def __init__(self, training, **kwargs):
+        super().__init__(**kwargs)
+        self.host_in_training = training
+
+    def call(self, x, training=None):
+        return host_identity(x) if bool(training) == self.host_in_training else x
 
 
 def host_model():
@@ -68,6 +82,40 @@ def test_evaluate_alone_finds_the_refusal_at_its_first_batch_and_evaluates_every
         refused = tfmp.evaluate(host_model(), regression_data(), jit_compile=True, return_dict=True)
     assert refused == tfmp.evaluate(host_model(), regression_data(), jit_compile=False, return_dict=True)
     assert len([r for r in caplog.records if "without XLA" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_evaluation_xla_cannot_compile_goes_without_it_and_the_update_stays_under_xla(caplog, mirrored, replicas):
+    """A layer may take another branch in inference: validation's first batch finds that XLA cannot compile it
+    (the up-front probe traces the update only), and evaluation goes on without XLA, every batch counted, the
+    update still one XLA computation."""
+    with mirrored.scope() if replicas == 2 else tf.distribute.get_strategy().scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), HostWhen(False), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.01), "mse", jit_compile=False)
+    with caplog.at_level(logging.WARNING):
+        history = tfmp.fit(model, regression_data(), validation_data=regression_data(), epochs=2, jit_compile=True)
+    assert history.params["jit_compile"] is True and tfmp.loop.kept_steps(model).jit_compile is True
+    (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]
+    assert "evaluating without XLA" in warning and "PyFunc" in warning
+    np.testing.assert_allclose(history.history["val_loss"][-1], model.evaluate(regression_data()), rtol=1e-6)
+
+
+def test_an_update_xla_cannot_compile_falls_back_after_an_evaluation_it_compiled(monkeypatch, caplog, tmp_path):
+    """The other way round: evaluation under XLA first, then, with the same steps (a log_dir's, which compute the
+    gradients' norm as evaluate's do), an update that XLA refuses at its first step."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), HostWhen(True), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    with caplog.at_level(logging.WARNING):
+        evaluated = tfmp.evaluate(model, regression_data(), jit_compile=True)
+        steps = tfmp.loop.kept_steps(model)
+        history = tfmp.fit(model, regression_data(), epochs=1, jit_compile=True, verbose=0, log_dir=str(tmp_path))
+    assert tfmp.loop.kept_steps(model) is steps
+    assert [r.getMessage() for r in caplog.records if "training without XLA" in r.getMessage()]
+    assert history.params["jit_compile"] is False and int(model.optimizer.iterations.numpy()) == 8
+    assert history.history["loss"][0] < evaluated
 
 
 def test_a_model_of_string_input_is_told_that_xla_takes_no_strings():

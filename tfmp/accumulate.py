@@ -134,7 +134,7 @@ def logged_once(model, divisor, replicas):
 
 
 def as_global(loss, examples, divisor, replicas):
-    """(loss, examples) for the loss tracker (`Steps._track_loss`) from this replica's share of the global loss as
+    """(loss, examples) for the loss tracker (`packed.track_loss`) from this replica's share of the global loss as
     Keras computes it and its `examples`, weighed by all the global batch's examples, as one device tracks it. A mean
     by a `divisor` (this replica's own mean, divided by the replicas) is weighed by its divisor too, so that the
     replicas' sum is the global batch's mean by all of theirs; a sum (`divisor` None) adds up as it is."""

@@ -1,10 +1,12 @@
-"""A compiled step's outputs: the model's metric results as Keras fit logs them, packed into one int32 vector so
-that the host reads them with one copy."""
+"""A compiled step's metrics and outputs: the loss tracker and the metrics updated, their results as Keras fit
+logs them, packed into one int32 vector so that the host reads them with one copy."""
 
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
+
+from tfmp import keras_compat
 
 
 def flat(results):
@@ -33,6 +35,18 @@ def update_metrics(model, x, y, y_pred, sample_weight):
             type(model).__name__,
             ", ".join(extra),
         )
+
+
+def track_loss(model, loss, examples, replicas, skip_non_finite=False):
+    """The model's loss tracker's running mean gets a replica's `loss` (its share of the global's) x `replicas`."""
+    tracker = keras_compat.loss_tracker(model)
+    if tracker is None:
+        return
+    value, count = loss * replicas, tf.cast(examples, loss.dtype)  # Its own mean.
+    if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
+        ok = tf.math.is_finite(value)
+        value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
+    tracker.update_state(value, sample_weight=count)
 
 
 def as_log(value):

@@ -104,7 +104,7 @@ class Steps:
         dense_update = [fused.keras_densifies(keras_optimizers.optimizer_for(inner, v)) for v in self.variables]
         self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
-        self._ran, self.fallback = False, None  # fallback: why XLA failed at the first step, if it did (`_first_call`).
+        self._ran, self.fallback = set(), None  # Kinds of step run under XLA; why XLA failed an update (`_first_call`).
         self.refused = lambda why: None  # Told that why (`xla.resolve` keeps it for models alike).
         self._made = {}  # XLA on? -> what `compile` made for it, as it was when left.
         self.compile(jit_compile)
@@ -142,29 +142,33 @@ class Steps:
         self._one = {gated: calls.of_iterator(self._single, gated) for gated in (False, True)}  # `_replica_update`.
         self._many = {gated: calls.of_iterator(self._updates, gated) for gated in (False, True)}
         self._concrete = {}  # (updates > 1, gated, iterator id) -> its traced step (`calls.Direct`).
-        self._test = tf_compat.function(self._test_step, reduce_retracing=True, autograph=False)
+        self._test = self._test_function()  # Its forward pass under XLA or not, as `_forward` is.
         # Lean: under XLA on one CPU the call runs on one thread (the executor's hand-offs cost 4-7% of a small
         # step). Grouped: the norm's reductions one a shape where each would be an op of its own (DECISIONS.md).
         gpu = bool(tf.config.list_logical_devices("GPU"))
         self._lean = self.jit_compile and one and not tpu and not gpu
         self._grouped = gradients.GROUPED if gradients.GROUPED is not None else gpu == self.jit_compile and not tpu
 
-    def _first_call(self, fn, *args):
-        """Calls a compiled step; the first call under XLA falls back to no XLA if it fails to compile."""
-        if self._ran or not self.jit_compile:
+    def _first_call(self, kind, fn, *args):
+        """Calls a compiled step; the first of its kind under XLA falls back to no XLA if it fails to compile."""
+        if kind in self._ran or not self.jit_compile:
             return fn(*args)
         try:
             out = fn(*args)
         except xla.COMPILE_ERRORS as e:
             if not xla.is_compile_failure(e):
                 raise
+            self.model.reset_metrics()  # What the failed call's ops outside XLA counted (an evaluation's examples).
+            if kind == "test":  # Evaluation alone: its forward pass may take other branches than training's.
+                logging.warning("XLA cannot compile the evaluation step (%s); evaluating without XLA", xla.reason(e))
+                self._forward, self._test = self._replica_forward, self._test_function()
+                return FELL_BACK
             self.fallback = xla.reason(e)
             self.refused(self.fallback)
             logging.warning("XLA cannot compile this model (%s); training without XLA", self.fallback)
             self.compile(False)
-            self.model.reset_metrics()  # What the failed call's ops outside XLA counted (an evaluation's examples).
             return FELL_BACK
-        self._ran = True
+        self._ran.add(kind)
         return out
 
     # ---- training ----
@@ -187,7 +191,7 @@ class Steps:
         if kept is not None:
             return self._call(kept, updates)
         fn = (self._many if updates > 1 else self._one)[gate]
-        traced = self._first_call(self._trace_and_call, fn, iterator, updates)
+        traced = self._first_call("train", self._trace_and_call, fn, iterator, updates)
         if traced is FELL_BACK:  # XLA failed to compile (or to trace: a merge call), its batches read: without it,
             return self.dispatch(iterator, updates, gated) if retry else FELL_BACK  # on (`retry`) or read again.
         kept, out = traced
@@ -230,7 +234,7 @@ class Steps:
         for batch, loss, y_pred in zip(batches, losses, preds, strict=True):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
             if not accumulate.logged_once(self.model, divisor, self.strategy.num_replicas_in_sync):
-                self._track_loss(loss, each, skip_non_finite=True)
+                packed.track_loss(self.model, loss, each, self.strategy.num_replicas_in_sync, skip_non_finite=True)
             packed.update_metrics(self.model, x, y, y_pred, sample_weight)
         self.applied = [i for i, g in enumerate(grads) if g is not None]
         grads = [tf.convert_to_tensor(grads[i]) if self._dense[i] else grads[i] for i in self.applied]
@@ -290,7 +294,7 @@ class Steps:
             if accumulate.logged_once(self.model, computed[-1], replicas):  # As the global batch's.
                 examples = tf.add_n(crossing.examples_in(batches))
                 tracked = accumulate.as_global(computed[-2], examples, computed[-1], replicas)
-                self._track_loss(*tracked, skip_non_finite=True)
+                packed.track_loss(self.model, *tracked, replicas, skip_non_finite=True)
             *sent, loss = crossing.weigh_by_share(batches, *computed, replicas, accumulate.summed(self.model), share)
             return (loss, *self._apply(*self._crossing.all_reduce(*sent)))
 
@@ -347,17 +351,6 @@ class Steps:
 
     # ---- evaluation ----
 
-    def _track_loss(self, loss, examples, skip_non_finite=False):
-        """The loss tracker's running mean gets this replica's `loss` (its share of the global's) x replicas."""
-        tracker = keras_compat.loss_tracker(self.model)
-        if tracker is None:
-            return
-        value, count = loss * self.strategy.num_replicas_in_sync, tf.cast(examples, loss.dtype)  # Its own mean.
-        if skip_non_finite:  # A step skipped for overflow must not turn the epoch's mean into inf.
-            ok = tf.math.is_finite(value)
-            value, count = tf.where(ok, value, 0.0), tf.where(ok, count, 0.0)
-        tracker.update_state(value, sample_weight=count)
-
     def _replica_forward(self, x, y, sample_weight, share=None):
         y_pred = keras_compat.call(self.model, x, training=False)
         sums_times = None if share is None else tf.math.divide_no_nan(1.0, share)  # Each sum whole once weighed.
@@ -371,11 +364,14 @@ class Steps:
         examples = crossing.examples(x)
         if accumulate.logged_once(self.model, divisor, self.strategy.num_replicas_in_sync):
             loss, examples = accumulate.as_global(loss, examples, divisor, self.strategy.num_replicas_in_sync)
-        self._track_loss(loss, examples)
+        packed.track_loss(self.model, loss, examples, self.strategy.num_replicas_in_sync)
         packed.update_metrics(self.model, x, y, y_pred, sample_weight)
 
     def _test_step(self, batch):
         self.strategy.run(self._replica_test, args=(batch,))
+
+    def _test_function(self):  # (A new function where `_forward` changed: one traced before would keep the old.)
+        return tf_compat.function(self._test_step, reduce_retracing=True, autograph=False)
 
     def evaluate(self, dataset, steps, callbacks, batch_logs=False):
         """The model's loss and metrics over `dataset` (global batches, or a distributed dataset), every example
@@ -391,7 +387,9 @@ class Steps:
         with calls.LetGo(iter(dataset)) as held:  # Deleted on a thread of its own at the end, an error's or not.
             for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
                 callbacks.on_test_batch_begin(i)
-                if self._first_call(test, batch) is FELL_BACK:  # XLA failed to compile: the same batch without it.
+                if (
+                    self._first_call("test", test, batch) is FELL_BACK
+                ):  # XLA failed to compile: the same batch without it.
                     test = calls.OfBatches(self._test, test.spec)
                     test(batch)
                 callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
