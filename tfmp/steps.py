@@ -225,7 +225,7 @@ class Steps:
 
     # One update, as a pipeline: gradients -> all-reduce -> unscale and check -> clip -> apply.
 
-    def _gradients_stage(self, batches, replica_share=None):
+    def gradients_stage(self, batches, replica_share=None):
         """Each replica: gradients summed over its batches (see `replica_gradients`), the loss tracker and
         metrics updated; returns (gradients of the trained variables, dense where `_dense` says, the mean loss)."""
         grads, losses, preds, divisor = accumulate.replica_gradients(self, batches, replica_share)
@@ -276,7 +276,7 @@ class Steps:
         return grad_norm, finite
 
     def _compute_stage(self, batches, replica_share=None):
-        grads, loss, divisor = self._gradients_stage(batches, replica_share)
+        grads, loss, divisor = self.gradients_stage(batches, replica_share)
         return (*self._crossing.pack(grads, self.applied), loss, divisor)
 
     def _apply_stage(self, dense_flat, state_flat, sparse):
@@ -287,7 +287,7 @@ class Steps:
         # length runs those that take no input from it (iteration count, dropout's seed), as Keras fit does.
         with tf.control_dependencies(tf.nest.flatten(batches, expand_composites=True) if gated else []):
             if self.strategy.num_replicas_in_sync == 1:  # Nothing crosses replicas.
-                grads, loss, _ = self._gradients_stage(batches)
+                grads, loss, _ = self.gradients_stage(batches)
                 return (loss, *self._apply_reduced(grads))
             share = accumulate.replica_share(self.model, batches, self.strategy.num_replicas_in_sync)
             replicas, computed = self.strategy.num_replicas_in_sync, self._compute(batches, share)

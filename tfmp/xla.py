@@ -64,9 +64,9 @@ _NOT_ON_THESE = "which XLA does not compile on these devices"
 
 def probe(steps, batches):
     """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
-    # The forward and backward passes, as Steps compiles them; the rest of the update is
-    # plain arithmetic and the optimizer, and a failure there falls back at the first step.
-    fn = tf.function(steps.replica_gradients, jit_compile=True, autograph=False)
+    # Forward and backward passes and the metrics' updates (a metric's host call too), as Steps compiles them; the
+    # rest of the update is plain arithmetic and the optimizer, and a failure there falls back at the first step.
+    fn = tf.function(lambda b: steps.gradients_stage(b), jit_compile=True, autograph=False)
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
         # The replica's device, named: without a name TensorFlow finds it by running a random op, which op
