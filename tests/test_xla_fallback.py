@@ -59,14 +59,17 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
-def test_shuffled_arrays_are_probed_up_front_and_train_as_without_xla(monkeypatch):
-    """A new iterator of shuffled arrays draws the next order: a refusal found at the first step would read
-    another first epoch than without XLA (its losses differed). Such an input is probed up front instead."""
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_shuffled_arrays_refused_at_the_first_step_are_read_again_alike_and_train_as_without_xla(monkeypatch, shuffle):
+    """A new iterator of shuffled arrays draws the next order: read again from it, the first epoch was another than
+    without XLA (its losses differed). The arrays' dataset is made again, its orders drawn from the first: no probe
+    needs to find the refusal up front."""
     monkeypatch.setattr(xla, "_PROBES", {})
+    monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
     rng = np.random.default_rng(1)
     x = rng.random((100, 8), dtype=np.float32)
     refused, plain = host_model(), host_model()
-    kw = {"batch_size": 16, "epochs": 2, "verbose": 0}
+    kw = {"batch_size": 16, "epochs": 2, "verbose": 0, "shuffle": shuffle}
     history = tfmp.fit(refused, x, x.sum(1), jit_compile=True, **kw)
     assert history.params["jit_compile"] is False
     assert history.history == tfmp.fit(plain, x, x.sum(1), jit_compile=False, **kw).history
@@ -268,9 +271,9 @@ def test_what_xla_refused_under_op_determinism_is_tried_again_without_it(monkeyp
 def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monkeypatch, given):
     """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
     device; the reason names the op and the switch, not a GPU a CPU run does not have, whether
-    the first step finds it (arrays in order: their batch is read again without XLA) or the
-    up-front probe (shuffled arrays, whose next iterator draws another order, and a
-    generator's batches, which run once). And neither needs a global seed, which model.fit
+    the first step finds it (arrays: their batch is read again without XLA, shuffled ones from
+    their dataset made again) or the up-front probe (a generator's batches, which run once).
+    And neither needs a global seed, which model.fit
     needs only to shuffle arrays (TensorFlow finds the device to lower for by running a random
     op, which op determinism refuses unseeded)."""
     probed = []
@@ -292,5 +295,5 @@ def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monke
         "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
         "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
     )
-    assert len(probed) == (given != "arrays")  # A first step that may refuse is not traced twice.
+    assert len(probed) == (given == "a generator")  # A first step that may refuse is not traced twice.
     assert int(model.optimizer.iterations.numpy()) == 2  # Every batch trained, none lost to the refusal.

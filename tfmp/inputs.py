@@ -2,6 +2,7 @@
 distributed streams."""
 
 import inspect
+import weakref
 
 import keras
 import numpy as np
@@ -41,6 +42,7 @@ class Input:
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
         self._given = self.data  # A PyDataset's dataset (tfmp.pydata), before any map of ours.
+        self._maps = []  # Those maps, in turn.
         self._reads = None  # Batches read since the iterator began (a variable), where a read may end an update.
         self._grad_accum_steps = grad_accum_steps
         self.period = steps  # Batches an epoch takes from the stream.
@@ -63,14 +65,16 @@ class Input:
             self.element_spec = probe.element_spec
         else:
             if class_weight is not None:
-                data = self.data = data.map(class_weights(class_weight, data.element_spec))
+                self._maps.append(class_weights(class_weight, data.element_spec))
+                data = self.data = data.map(self._maps[-1])
             cardinality = int(data.cardinality())
             if training and grad_accum_steps > 1 and cardinality == tf.data.UNKNOWN_CARDINALITY:
                 # Its end may come within an update; the batches read then make none. One worker only (several
                 # may each read all and keep a share), and not on a TPU, whose input may run on another host.
                 if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
                     self._reads = tf_compat.host_variable(tf.constant(0, tf.int64))
-                    data = self.data = data.map(_counted(self._reads, data.element_spec))
+                    self._maps.append(_counted(self._reads, data.element_spec))
+                    data = self.data = data.map(self._maps[-1])
             self.element_spec = data.element_spec
             if cardinality == 0:
                 raise UsageError(f"{name} is empty")
@@ -132,7 +136,16 @@ class Input:
     def read_alike(self):
         """Whether a new iterator reads the same batches in the same order (not a generator's, nor a callable's,
         and no shuffle drawing a new order for each: `tf_compat.reorders`), as `Run._fell_back` needs."""
-        return self.fn is None and not self.generator and not tf_compat.reorders(self.data)
+        return self.fn is None and not self.generator and (self._given in _AGAIN or not tf_compat.reorders(self.data))
+
+    def reread(self, epoch, done):
+        """An iterator from `done` batches into `epoch`, reading there what this run's first iterator read (where
+        `read_alike`): for the update XLA refused at its first step. Arrays tfmp shuffled are made again (`again`)."""
+        if self._given in _AGAIN:
+            self.data = self._given = _AGAIN[self._given]()
+            for fn in self._maps:
+                self.data = self.data.map(fn)
+        return self.stream(self.position(epoch, done)) if self.streamed else self.epoch(done)
 
     @property
     def generator(self):
@@ -220,6 +233,16 @@ class Input:
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
+
+
+_AGAIN = weakref.WeakKeyDictionary()  # A dataset of arrays tfmp made -> a function making it again.
+
+
+def again(dataset, make):
+    """`dataset`, whose `make()` makes it again: a shuffle's orders drawn anew from the first (each new iterator of
+    `dataset` itself draws the next), so that `Input.reread` reads the same batches as the first iterator did."""
+    _AGAIN[dataset] = make
+    return dataset
 
 
 def _counted(reads, spec):

@@ -325,8 +325,8 @@ class Run:
         """The update XLA failed to compile, without XLA, on the batches it read (a generator's run once: the next)."""
         why = f"XLA cannot compile this model: {self.steps.fallback}"
         self.callbacks.set_params({**self.callbacks.params, "jit_compile": False, "jit_compile_reason": why})
-        if not (source := self.input).generator:  # Its input again from `done`, as a resume reads it.
-            self.iterator = source.stream(source.position(epoch, done)) if source.streamed else source.epoch(done)
+        if not self.input.generator:  # Its input again from `done`, as a resume reads it.
+            self.iterator = self.input.reread(epoch, done)
         return self.steps.dispatch(self.iterator, updates, gated=may_end)
 
     def _reads_behind(self, handler):
