@@ -59,8 +59,10 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
-@pytest.mark.parametrize("shuffle", [True, "batch"])
-def test_shuffled_arrays_refused_at_the_first_step_are_read_again_alike_and_train_as_without_xla(monkeypatch, shuffle):
+@pytest.mark.parametrize(("shuffle", "replicas"), [(True, 1), ("batch", 1), (True, 2)])
+def test_shuffled_arrays_refused_at_the_first_step_are_read_again_alike_as_without_xla(
+    monkeypatch, mirrored, shuffle, replicas
+):
     """A new iterator of shuffled arrays draws the next order: read again from it, the first epoch was another than
     without XLA (its losses differed). The arrays' dataset is made again, its orders drawn from the first: no probe
     needs to find the refusal up front."""
@@ -68,7 +70,8 @@ def test_shuffled_arrays_refused_at_the_first_step_are_read_again_alike_and_trai
     monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
     rng = np.random.default_rng(1)
     x = rng.random((100, 8), dtype=np.float32)
-    refused, plain = host_model(), host_model()
+    with mirrored.scope() if replicas == 2 else tf.distribute.get_strategy().scope():
+        refused, plain = host_model(), host_model()
     kw = {"batch_size": 16, "epochs": 2, "verbose": 0, "shuffle": shuffle}
     history = tfmp.fit(refused, x, x.sum(1), jit_compile=True, **kw)
     assert history.params["jit_compile"] is False
