@@ -41,7 +41,7 @@ class Input:
         self.replicas = strategy.num_replicas_in_sync
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
-        self._given = self.data  # A PyDataset's dataset (tfmp.pydata), before any map of ours.
+        self._given = self.data  # As given (a PyDataset's: tfmp.pydata; arrays': `again`), before any map of ours.
         self._maps = []  # Those maps, in turn.
         self._reads = None  # Batches read since the iterator began (a variable), where a read may end an update.
         self._grad_accum_steps = grad_accum_steps
@@ -135,7 +135,8 @@ class Input:
     @property
     def read_alike(self):
         """Whether a new iterator reads the same batches in the same order (not a generator's, nor a callable's,
-        and no shuffle drawing a new order for each: `tf_compat.reorders`), as `Run._fell_back` needs."""
+        and no shuffle drawing a new order for each: `tf_compat.reorders`; or, for arrays tfmp shuffled, one of the
+        dataset made again: `again`), as `Run._fell_back` needs (`reread`)."""
         return self.fn is None and not self.generator and (self._given in _AGAIN or not tf_compat.reorders(self.data))
 
     def reread(self, epoch, done):
