@@ -14,6 +14,7 @@ import tensorflow as tf
 from conftest import assert_same, regression, regression_arrays, weights
 
 import tfmp
+from tfmp import pydata
 from tfmp.errors import UsageError
 
 X, Y = regression_arrays()  # 256 examples: 8 batches of 32.
@@ -194,6 +195,21 @@ def test_batches_of_a_list_of_inputs_train_as_arrays_do():
         ours = two_inputs()
         tfmp.fit(ours, data, shuffle=False if isinstance(data, Pairs) else None, jit_compile=False, verbose=0)
         assert_same(weights(ours), weights(theirs))
+
+
+def test_only_a_shuffled_py_dataset_without_epoch_hooks_is_made_again_for_a_refused_first_step():
+    """Made again (`pydata.again`: a first step XLA refused reads its batches again alike, no probe up front),
+    a PyDataset's epoch hooks would run twice; unshuffled, any new iterator reads alike; a generator runs once."""
+    made = {
+        name: pydata.made_again(pydata.to_dataset(data, shuffle, seed=0))
+        for name, data, shuffle in [
+            ("shuffled", Batches(), True),
+            ("hooked", Hooked(), True),
+            ("in order", Batches(), False),
+            ("generator", generator(), None),
+        ]
+    }
+    assert callable(made.pop("shuffled")) and made == {"hooked": None, "in order": None, "generator": None}
 
 
 def test_a_py_dataset_loaded_on_one_thread_warns_nothing():

@@ -59,23 +59,42 @@ def test_model_xla_cannot_compile_trains_without_it_after_one_warning(caplog):
     assert history.history["loss"][1] < history.history["loss"][0]
 
 
-@pytest.mark.parametrize(("shuffle", "replicas"), [(True, 1), ("batch", 1), (True, 2)])
-def test_shuffled_arrays_refused_at_the_first_step_are_read_again_alike_as_without_xla(
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch):
+        super().__init__()
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch)
+
+    def __getitem__(self, i):
+        return self.x[i * self.batch : (i + 1) * self.batch], self.y[i * self.batch : (i + 1) * self.batch]
+
+
+@pytest.mark.parametrize(("shuffle", "replicas"), [(True, 1), ("batch", 1), (True, 2), ("a PyDataset", 1)])
+def test_shuffled_input_refused_at_the_first_step_is_read_again_alike_as_without_xla(
     monkeypatch, mirrored, shuffle, replicas
 ):
-    """A new iterator of shuffled arrays draws the next order: read again from it, the first epoch was another than
-    without XLA (its losses differed). The arrays' dataset is made again, its orders drawn from the first: no probe
-    needs to find the refusal up front."""
+    """A new iterator of shuffled arrays (or a shuffled PyDataset) draws the next order: read again from it, the
+    first epoch was another than without XLA (its losses differed). Their dataset is made again, its orders drawn
+    from the first: no probe needs to find the refusal up front."""
     monkeypatch.setattr(xla, "_PROBES", {})
     monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
     rng = np.random.default_rng(1)
     x = rng.random((100, 8), dtype=np.float32)
     with mirrored.scope() if replicas == 2 else tf.distribute.get_strategy().scope():
         refused, plain = host_model(), host_model()
-    kw = {"batch_size": 16, "epochs": 2, "verbose": 0, "shuffle": shuffle}
-    history = tfmp.fit(refused, x, x.sum(1), jit_compile=True, **kw)
+
+    def fit(model, jit_compile):
+        if shuffle == "a PyDataset":  # Shuffled by default, as model.fit shuffles one.
+            return tfmp.fit(model, Batches(x, x.sum(1), 16), epochs=2, verbose=0, jit_compile=jit_compile)
+        return tfmp.fit(
+            model, x, x.sum(1), batch_size=16, epochs=2, verbose=0, shuffle=shuffle, jit_compile=jit_compile
+        )
+
+    history = fit(refused, True)
     assert history.params["jit_compile"] is False
-    assert history.history == tfmp.fit(plain, x, x.sum(1), jit_compile=False, **kw).history
+    assert history.history == fit(plain, False).history
     for trained, without in zip(refused.weights, plain.weights, strict=True):
         np.testing.assert_array_equal(trained, without)
 

@@ -5,8 +5,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import distribute, inputs, keras_compat, pydata
+from tfmp import distribute, keras_compat, pydata
 from tfmp.errors import UsageError, is_count
+from tfmp.inputs import batch_dim
 
 # model.fit's arguments for arrays, and what to do with a dataset instead.
 _FOR_ARRAYS = {
@@ -72,7 +73,7 @@ def datasets(
                 raise UsageError(f"{name}= is for arrays, and data is a {kind}: {_FOR_ARRAYS[name]}")
         _check_validation_batch(validation_batch_size, validation_data)
         if is_arrays(validation_data):  # Batched as the training data is.
-            batch = inputs.batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
+            batch = batch_dim(data.element_spec) if isinstance(data, tf.data.Dataset) else None
             batch = validation_batch_size or batch or keras_batch(validation_data, validation_steps)
             validation_data = from_arrays(validation_data, batch, drop_remainder=tpu)
         return data, validation_data
@@ -198,4 +199,4 @@ def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False)
     dataset = batches.map(gather).prefetch(tf.data.AUTOTUNE)
     if not shuffle:  # Read alike by every iterator.
         return dataset
-    return inputs.again(dataset, lambda: from_arrays(tensors, batch_size, shuffle, seed, drop_remainder))
+    return pydata.again(dataset, lambda: from_arrays(tensors, batch_size, shuffle, seed, drop_remainder))

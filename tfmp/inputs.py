@@ -2,7 +2,6 @@
 distributed streams."""
 
 import inspect
-import weakref
 
 import keras
 import numpy as np
@@ -41,7 +40,7 @@ class Input:
         self.replicas = strategy.num_replicas_in_sync
         self.fn = None if isinstance(data, tf.data.Dataset) else data
         self.data = data if self.fn is None else None
-        self._given = self.data  # As given (a PyDataset's: tfmp.pydata; arrays': `again`), before any map of ours.
+        self._given = self.data  # As given (a PyDataset's, or arrays': `pydata.again`), before any map of ours.
         self._maps = []  # Those maps, in turn.
         self._reads = None  # Batches read since the iterator began (a variable), where a read may end an update.
         self._grad_accum_steps = grad_accum_steps
@@ -135,15 +134,17 @@ class Input:
     @property
     def read_alike(self):
         """Whether a new iterator reads the same batches in the same order (not a generator's, nor a callable's,
-        and no shuffle drawing a new order for each: `tf_compat.reorders`; or, for arrays tfmp shuffled, one of the
-        dataset made again: `again`), as `Run._fell_back` needs (`reread`)."""
-        return self.fn is None and not self.generator and (self._given in _AGAIN or not tf_compat.reorders(self.data))
+        and no shuffle drawing a new order for each: `tf_compat.reorders`; or, where tfmp shuffled, one of the
+        dataset made again: `pydata.again`), as `Run._fell_back` needs (`reread`)."""
+        again = pydata.made_again(self._given) is not None
+        return self.fn is None and not self.generator and (again or not tf_compat.reorders(self.data))
 
     def reread(self, epoch, done):
         """An iterator from `done` batches into `epoch`, reading there what this run's first iterator read (where
-        `read_alike`): for the update XLA refused at its first step. Arrays tfmp shuffled are made again (`again`)."""
-        if self._given in _AGAIN:
-            self.data = self._given = _AGAIN[self._given]()
+        `read_alike`): for the update XLA refused at its first step. What tfmp shuffled is made again."""
+        make = pydata.made_again(self._given)
+        if make is not None:
+            self.data = self._given = make()
             for fn in self._maps:
                 self.data = self.data.map(fn)
         return self.stream(self.position(epoch, done)) if self.streamed else self.epoch(done)
@@ -234,16 +235,6 @@ class Input:
     def once(self):
         """The input for one evaluation."""
         return self._distribute(0, repeat=False) if self.fn is not None else self.data
-
-
-_AGAIN = weakref.WeakKeyDictionary()  # A dataset of arrays tfmp made -> a function making it again.
-
-
-def again(dataset, make):
-    """`dataset`, whose `make()` makes it again: a shuffle's orders drawn anew from the first (each new iterator of
-    `dataset` itself draws the next), so that `Input.reread` reads the same batches as the first iterator did."""
-    _AGAIN[dataset] = make
-    return dataset
 
 
 def _counted(reads, spec):

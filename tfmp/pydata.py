@@ -30,6 +30,7 @@ _warned = set()
 END_HOOK_SECONDS = 60.0  # How long `tfmp.fit` waits for the last end hook (`end_hooks_ran`).
 _HOOKED = weakref.WeakKeyDictionary()  # A dataset made here -> its PyDataset's `_Loader`, where it has hooks.
 _ONCE = weakref.WeakSet()  # The datasets made here of generators: they end, repeated or not.
+_AGAIN = weakref.WeakKeyDictionary()  # A shuffled dataset tfmp made (of a PyDataset, or arrays) -> its `again`.
 
 
 def is_python_data(data):
@@ -99,14 +100,26 @@ def _from_py_dataset(data, shuffle, seed, name):
     if hooks:  # The hooks' places left out: n batches an epoch again.
         ds = ds.filter(lambda is_batch, batch: is_batch).apply(tf.data.experimental.assert_cardinality(n))
     ds = ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
-    if hooks:
+    if hooks:  # (Made again, a hook would run twice.)
         _HOOKED[ds] = loader
-    return ds
+    return again(ds, lambda: _from_py_dataset(data, shuffle, seed, name)) if shuffle and not hooks else ds
 
 
 def runs_once(dataset):
     """Whether `dataset` was made here of a generator: its stream ends, however often it is repeated."""
     return isinstance(dataset, tf.data.Dataset) and dataset in _ONCE
+
+
+def again(dataset, make):
+    """`dataset`, whose `make()` makes it again: its shuffle's orders drawn anew from the first (each new iterator
+    of `dataset` itself draws the next), so that a refused first step reads what it read (`Input.reread`)."""
+    _AGAIN[dataset] = make
+    return dataset
+
+
+def made_again(dataset):
+    """The function making `dataset` again (`again`), or None."""
+    return _AGAIN.get(dataset) if isinstance(dataset, tf.data.Dataset) else None
 
 
 def has_hooks(dataset):
