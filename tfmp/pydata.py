@@ -100,8 +100,9 @@ def _from_py_dataset(data, shuffle, seed, name):
     if hooks:  # The hooks' places left out: n batches an epoch again.
         ds = ds.filter(lambda is_batch, batch: is_batch).apply(tf.data.experimental.assert_cardinality(n))
     ds = ds.map(lambda is_batch, batch: batch).prefetch(tf.data.AUTOTUNE)
-    if hooks:  # (Made again, a hook would run twice.)
+    if hooks:
         _HOOKED[ds] = loader
+    # Shuffled, made again where a refused first step reads it again (with hooks, not: a hook would run twice).
     return again(ds, lambda: _from_py_dataset(data, shuffle, seed, name)) if shuffle and not hooks else ds
 
 

@@ -387,9 +387,8 @@ class Steps:
         with calls.LetGo(iter(dataset)) as held:  # Deleted on a thread of its own at the end, an error's or not.
             for i, batch in enumerate(itertools.islice(held[0], steps or None)):  # Not a batch past `steps` read.
                 callbacks.on_test_batch_begin(i)
-                if (
-                    self._first_call("test", test, batch) is FELL_BACK
-                ):  # XLA failed to compile: the same batch without it.
+                # XLA failed to compile (its first batch here): the same batch without it.
+                if self._first_call("test", test, batch) is FELL_BACK:
                     test = calls.OfBatches(self._test, test.spec)
                     test(batch)
                 callbacks.on_test_batch_end(i, self.results() if batch_logs else None)
