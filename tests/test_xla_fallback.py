@@ -79,7 +79,8 @@ def test_shuffled_input_refused_at_the_first_step_is_read_again_alike_as_without
     first epoch was another than without XLA (its losses differed). Their dataset is made again, its orders drawn
     from the first: no probe needs to find the refusal up front."""
     monkeypatch.setattr(xla, "_PROBES", {})
-    monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
+    if replicas == 1:  # Several replicas are probed: a refused first step may cancel their collectives.
+        monkeypatch.setattr(xla, "probe", lambda *_: pytest.fail("probed up front"))
     rng = np.random.default_rng(1)
     x = rng.random((100, 8), dtype=np.float32)
     with mirrored.scope() if replicas == 2 else tf.distribute.get_strategy().scope():

@@ -221,12 +221,11 @@ _AS_COMPILED = '{}: the model was compiled with jit_compile={}, which "auto" fol
 def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refuses_late=False):
     """Compiles `steps` with XLA or not, as `jit_compile` says; returns (bool, why).
 
-    `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g.
-    `print`) hears, before "autotune" times XLA, what that will cost. XLA is tried (a
-    compile of the step, seconds) only where it would be used: never for a rule that says off.
+    `element_spec` is a global batch's, or one replica's when `per_replica`. `say` (e.g. `print`) hears, before
+    "autotune" times XLA, what that will cost. XLA is tried (a compile, seconds) only where it would be used.
     "auto" follows a choice the model's compile made (`keras_compat.compiled_jit_compile`).
     `refuses_late`: whether a first step XLA cannot compile may find it out itself and run the batches it
-    read again without XLA (an input read again alike): then, on one worker, no `probe` traces the step up
+    read again without XLA (an input read again alike): then, on one replica, no `probe` traces the step up
     front (seconds, for a large model) unless "autotune" times it. A refusal is kept for models alike."""
     check(jit_compile)
     on, off = "on", "off"
@@ -260,7 +259,8 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refus
             return use, why
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
-    if key not in _PROBES and not (refuses_late and not several and (jit_compile is True or ruled)):
+    alone = not several and steps.strategy.num_replicas_in_sync == 1  # (A refused step cancels replicas' collectives.)
+    if key not in _PROBES and not (refuses_late and alone and (jit_compile is True or ruled)):
         _PROBES[key] = probe(steps, batches)
         if _PROBES[key]:
             logging.warning("XLA cannot compile this model (%s); training without XLA", _PROBES[key])
