@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import tf_compat
+from tfmp import launch, tf_compat
 from tfmp.steps import STEP_STATE
 
 
@@ -73,7 +73,9 @@ def peak_memory_mb():
 class Heartbeat(keras.callbacks.Callback):
     """Renews a worker's progress file (python -m tfmp.launch's) at each validation batch: its
     time, not its count, which stays the training's batches. A validation pass longer than the
-    launcher's `--stall_timeout` is then no stall, where a hung collective in it still is."""
+    launcher's `--stall_timeout` is then no stall, where a hung collective in it still is. As the
+    fit ends, marks the file done: the launcher stops watching the worker (its script may save,
+    evaluate or exit as slowly as it needs: TensorFlow's exit alone can wait 20 s for a peer)."""
 
     async_safe = True
 
@@ -88,6 +90,10 @@ class Heartbeat(keras.callbacks.Callback):
             pass
 
     on_test_batch_end = on_test_batch_begin
+
+    def on_train_end(self, logs=None):
+        progress = launch.read_progress(self.path)
+        launch.write_progress(self.path, progress[0] if progress else 0, done=True)
 
 
 def overrides(callbacks, hook, ignore=()):

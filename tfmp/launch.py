@@ -12,7 +12,8 @@ exits with the first failure's status and one line saying which worker ended how
 SIGTERM or Ctrl-C to the launcher is passed to every worker (they checkpoint and exit 75).
 A job in which no worker finishes a step for `--stall_timeout` seconds (a training step, or
 a batch of a validation pass; or a first step within `--startup_timeout`) is ended too,
-naming each worker's state and progress.
+naming each worker's state and progress. A worker whose fit has returned is no longer
+watched: what its script does next (saving, evaluating, exiting) takes as long as it takes.
 Rerunning the same command resumes from the chief's checkpoint.
 
 The launcher imports neither TensorFlow nor Keras.
@@ -21,6 +22,7 @@ The launcher imports neither TensorFlow nor Keras.
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,16 +31,25 @@ import tempfile
 import threading
 import time
 
-# tfmp.fit writes its batch count there after each step, and renews its time at each validation batch.
+# tfmp.fit writes its batch count there after each step, renews its time at each validation batch, and
+# adds "done" when it returns (`write_progress`).
 PROGRESS_ENV = "TFMP_PROGRESS_FILE"
 STALLED = 124  # Exit status of a job ended for making no progress.
 
 
+def write_progress(path, batches, done=False):
+    """A worker's progress file: its batch count, and "done" once its fit has returned."""
+    with open(path, "w") as f:
+        f.write(f"{batches} done" if done else str(batches))
+
+
 def read_progress(path):
-    """(batches done, time of the last step or validation batch) from a worker's progress file, or None."""
+    """(batches done, time of the last step or validation batch, whether its fit has returned) from a
+    worker's progress file, or None."""
     try:
         with open(path) as f:
-            return int(f.read().strip() or 0), os.path.getmtime(path)
+            words = f.read().split()
+        return int(words[0]) if words else 0, os.path.getmtime(path), words[1:] == ["done"]
     except (OSError, ValueError):
         return None
 
@@ -102,7 +113,7 @@ class Worker:
 
     @property
     def progress(self):
-        """(batches done, time of the last step) as the worker last wrote them, or None."""
+        """(batches done, time of the last step, fit returned) as the worker last wrote them, or None."""
         return read_progress(self.progress_path)
 
     @property
@@ -169,7 +180,10 @@ def main(argv=None):
         env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), PROGRESS_ENV: progress}
         command = [sys.executable, options.script, *options.args]
         workers.append(Worker(index, command, env, progress, relay_stdout=index == 0))
-    return _supervise(workers, options)
+    try:
+        return _supervise(workers, options)
+    finally:
+        shutil.rmtree(progress_dir, ignore_errors=True)
 
 
 def _supervise(workers, options):
@@ -193,14 +207,16 @@ def _supervise(workers, options):
             failure = (bad, bad.process.returncode)
             _stop(workers, options.grace_seconds)
             break
-        steps = [p[1] for p in (w.progress for w in workers) if p]
-        # Before the first step (start-up, compiling) the longer start-up limit applies.
+        progress = [w.progress for w in workers]
+        steps = [p[1] for p in progress if p]
+        # Before the first step (start-up, compiling) the longer start-up limit applies; once every worker still
+        # running has returned from its fit, none.
         limit, last = (options.stall_timeout, max(steps)) if steps else (options.startup_timeout, started)
-        if time.time() - last > limit and not interrupted:
+        watched = any(s is None and not (p and p[2]) for s, p in zip(statuses, progress, strict=True))
+        if watched and time.time() - last > limit and not interrupted:
             report = ", ".join(
-                f"worker {w.index} ({'stopped' if w.stopped else 'running'}, "
-                f"{p[0] if (p := w.progress) else 0} batches)"
-                for w in workers
+                f"worker {w.index} ({_state(w, s, p)}, {p[0] if p else 0} batches)"
+                for w, s, p in zip(workers, statuses, progress, strict=True)
             )
             print(
                 f"tfmp.launch: no worker finished a step for {limit:g} s: {report}; ended the job",
@@ -229,6 +245,12 @@ def _supervise(workers, options):
     how = "after SIGTERM to the launcher" if interrupted else ""
     print(f"tfmp.launch: worker {worker.index} {describe(status)} {how}".rstrip(), file=sys.stderr, flush=True)
     return exit_status(status)
+
+
+def _state(worker, status, progress):
+    """'running', 'stopped' (SIGSTOP), 'exited with status 0', ..., and whether its fit has returned."""
+    state = describe(status) if status is not None else "stopped" if worker.stopped else "running"
+    return f"{state}, fit returned" if progress and progress[2] else state
 
 
 def _stop(workers, grace_seconds):

@@ -10,9 +10,8 @@ import tensorflow as tf
 from absl import logging
 
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import checkpoint, distribute, doctor, guards, keras_compat, loss_scale, packed, pydata
+from tfmp import checkpoint, distribute, doctor, guards, keras_compat, launch, loss_scale, packed, pydata
 from tfmp.errors import TrainingError, first_line
-from tfmp.launch import PROGRESS_ENV  # Where the launcher asks each worker to say how far it got.
 from tfmp.steps import FELL_BACK, STEP_STATE
 
 
@@ -70,7 +69,7 @@ class Run:
     def __init__(self, model, steps, train_input, val_input, saver, log_dir, log_every, callbacks, verbose):
         self.model, self.steps, self.input, self.val_input, self.saver = model, steps, train_input, val_input, saver
         self.n = steps.grad_accum_steps
-        self.progress_path = os.environ.get(PROGRESS_ENV)  # Set by python -m tfmp.launch.
+        self.progress_path = os.environ.get(launch.PROGRESS_ENV)  # Set by python -m tfmp.launch: how far it got.
         heartbeat = [tfmp_callbacks.Heartbeat(self.progress_path)] if self.progress_path else []
         self.callbacks = keras.callbacks.CallbackList(
             [*heartbeat, *(callbacks or [])],
@@ -344,8 +343,7 @@ class Run:
         """An update's end: one read of its outputs, the guards, the monitor, the callbacks."""
         out = self.steps.read(update.packed)
         if self.progress_path:
-            with open(self.progress_path, "w") as f:
-                f.write(str(update.step))
+            launch.write_progress(self.progress_path, update.step)
         logs = self._logs(out)
         if self.monitor is not None:
             self.monitor.record(update.step, {**out, **logs, "steps": update.batches, "updates": update.updates})
