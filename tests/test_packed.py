@@ -2,6 +2,7 @@
 (NaN and infinities included), int64s past 32 bits, booleans, scalars and shapes."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from tfmp import packed
@@ -27,3 +28,9 @@ def test_every_kind_comes_back_bit_for_bit():
     assert back["iterations"] == 2**40 + 3 and back["small"] == -7 and back["iterations"].dtype == np.int64
     np.testing.assert_array_equal(back["finite"], out["finite"])
     assert back["finite"].dtype == bool
+
+
+def test_an_output_without_a_static_shape_is_named():
+    host = tf.function(lambda x: packed.Packed().pack({"auc": tf.numpy_function(lambda a: a, [x], tf.float32)}))
+    with pytest.raises(ValueError, match=r"'auc' has no static shape \(<unknown>\) .*tf.ensure_shape"):
+        host(tf.constant(1.0))

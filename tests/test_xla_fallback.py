@@ -252,6 +252,34 @@ def test_compile_failure_at_run_time_falls_back_on_the_batches_it_read(monkeypat
         np.testing.assert_array_equal(trained, without)
 
 
+class HostSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning rate read on the host: tf.numpy_function's output has no shape."""
+
+    def __call__(self, step):
+        return tf.numpy_function(lambda s: np.float32(0.01 / (1.0 + s)), [step], tf.float32)
+
+    def get_config(self):
+        return {}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_learning_rate_schedule_on_the_host_trains_as_in_keras_fit(jit_compile):
+    """Its learning rate, of no shape, is a step output: it failed to pack ("unknown rank"); under XLA too, which
+    refuses the host call in the update and falls back."""
+    weights = []
+    for fit in ("keras", "tfmp"):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(HostSchedule()), "mse", jit_compile=False)
+        if fit == "keras":
+            model.fit(regression_data(), epochs=2, verbose=0)
+        else:
+            tfmp.fit(model, regression_data(), epochs=2, verbose=0, jit_compile=jit_compile)
+        weights.append(model.get_weights())
+    for ours, theirs in zip(*weights, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def maxpool_model():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3), keras.layers.MaxPooling2D()])

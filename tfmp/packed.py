@@ -70,6 +70,11 @@ class Packed:
         layout, words = [], []
         for key in sorted(out):
             value = tf.convert_to_tensor(out[key])
+            if not value.shape.is_fully_defined():  # Its words must be counted as the step traces.
+                raise ValueError(
+                    f"tfmp: {key!r} has no static shape ({value.shape}) among a step's outputs: give it one "
+                    "(tf.ensure_shape), as a host function's output (tf.numpy_function) needs"
+                )
             shape = tuple(value.shape)
             if value.dtype == tf.bool:
                 kind, word = "b", tf.cast(value, tf.int32)

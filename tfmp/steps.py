@@ -336,7 +336,7 @@ class Steps:
         out["iterations"] = tf.convert_to_tensor(self.optimizer.iterations)
         learning_rate = keras_optimizers.learning_rate(self.optimizer)
         if learning_rate is not None:  # A MultiOptimizer has none of its own.
-            out["learning_rate"] = tf.convert_to_tensor(learning_rate)
+            out["learning_rate"] = tf.reshape(learning_rate, [])  # A schedule's numpy_function has no shape.
         out["loss_scale"] = tf.convert_to_tensor(self.optimizer.dynamic_scale) if self.scaled else tf.constant(-1.0)
         return self._outputs.pack(out)
 
