@@ -262,22 +262,46 @@ class HostSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return {}
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_learning_rate_schedule_on_the_host_trains_as_in_keras_fit(jit_compile):
-    """Its learning rate, of no shape, is a step output: it failed to pack ("unknown rank"); under XLA too, which
-    refuses the host call in the update and falls back."""
+@pytest.mark.parametrize(("jit_compile", "given"), [(False, "a dataset"), (True, "a dataset"), (True, "a generator")])
+def test_a_learning_rate_schedule_on_the_host_trains_as_in_keras_fit(monkeypatch, jit_compile, given):
+    """Its learning rate, of no shape, is a step output: it failed to pack ("unknown rank"). Under XLA, which refuses
+    the host call in the optimizer: a dataset's first step falls back and reads its batch again; a generator's is
+    read once, and the probe, which lowers the learning rate too, finds the refusal before it (1 of 8 batches
+    went untrained)."""
+    monkeypatch.setattr(xla, "_PROBES", {})
     weights = []
     for fit in ("keras", "tfmp"):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(HostSchedule()), "mse", jit_compile=False)
+        data = regression_data() if given == "a dataset" else (batch for batch in regression_data())
         if fit == "keras":
-            model.fit(regression_data(), epochs=2, verbose=0)
+            model.fit(data, verbose=0)
         else:
-            tfmp.fit(model, regression_data(), epochs=2, verbose=0, jit_compile=jit_compile)
+            tfmp.fit(model, data, verbose=0, jit_compile=jit_compile)
         weights.append(model.get_weights())
     for ours, theirs in zip(*weights, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+def test_on_2_replicas_a_learning_rate_xla_cannot_compile_is_found_up_front(monkeypatch, mirrored):
+    """Several replicas are probed (a refused first step may cancel their collectives); the probe lowers the
+    learning rate too, which it missed."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    found = []
+    monkeypatch.setattr(xla, "probe", lambda *args, probe=xla.probe: found.append(probe(*args)) or found[-1])
+    weights = []
+    for jit_compile in (True, False):
+        keras.utils.set_random_seed(0)
+        with mirrored.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(HostSchedule()), "mse", jit_compile=False)
+        history = tfmp.fit(model, regression_data(), verbose=0, jit_compile=jit_compile)
+        assert history.params["jit_compile"] is False
+        weights.append(model.get_weights())
+    assert len(found) == 1 and "PyFunc" in found[0]
+    for with_xla, without in zip(*weights, strict=True):
+        np.testing.assert_array_equal(with_xla, without)
 
 
 def maxpool_model():

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import decisions, distribute, gradients, keras_compat, precision, tf_compat, timing
+from tfmp import decisions, distribute, gradients, keras_compat, keras_optimizers, precision, tf_compat, timing
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", "autotune", True, False)
@@ -63,10 +63,11 @@ _NOT_ON_THESE = "which XLA does not compile on these devices"
 
 
 def probe(steps, batches):
-    """None if XLA compiles `steps`' gradient computation for `batches`, else the reason."""
-    # Forward and backward passes and the metrics' updates (a metric's host call too), as Steps compiles them; the
-    # rest of the update is plain arithmetic and the optimizer, and a failure there falls back at the first step.
-    fn = tf.function(lambda b: steps.gradients_stage(b), jit_compile=True, autograph=False)
+    """None if XLA compiles `steps`' gradient computation and learning rate for `batches`, else the reason."""
+    # Forward and backward passes, the metrics' updates (a metric's host call too) and the learning rate (a host call
+    # in its schedule), as Steps compiles them; not the optimizer's update, whose lowering costs seconds (DECISIONS.md).
+    stage = lambda b: (steps.gradients_stage(b), keras_optimizers.learning_rate(steps.optimizer))  # noqa: E731
+    fn = tf.function(stage, jit_compile=True, autograph=False)
 
     def lower(b):  # Traces and lowers to XLA's HLO; runs nothing.
         # The replica's device, named: without a name TensorFlow finds it by running a random op, which op
@@ -80,10 +81,8 @@ def probe(steps, batches):
     tf_logger.setLevel("ERROR")  # Not "Using MirroredStrategy eagerly has significant overhead".
     try:
         steps.strategy.run(lower, args=(batches,))  # In a replica context, like the real step.
-    except (ValueError, TypeError, tf.errors.OpError) as e:
-        return reason(e)
-    except RuntimeError as e:  # A merge call in the compiled function (a layer that syncs replicas).
-        if not is_compile_failure(e):
+    except (ValueError, TypeError, tf.errors.OpError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not is_compile_failure(e):  # A merge call (a layer syncing replicas) is.
             raise
         return reason(e)
     finally:
