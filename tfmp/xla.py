@@ -258,7 +258,7 @@ def resolve(steps, element_spec, jit_compile, per_replica=False, say=None, refus
             return use, why
     batches = (replica_batch(element_spec, replicas),) * steps.grad_accum_steps
     key = _fingerprint(steps, batches)
-    alone = not several and steps.strategy.num_replicas_in_sync == 1  # (A refused step cancels replicas' collectives.)
+    alone = steps.strategy.num_replicas_in_sync == 1  # Several (workers too): a refused step can cancel collectives.
     if key not in _PROBES and not (refuses_late and alone and (jit_compile is True or ruled)):
         _PROBES[key] = probe(steps, batches)
         if _PROBES[key]:
