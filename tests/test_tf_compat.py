@@ -134,3 +134,31 @@ def test_reorders_sees_a_shuffle_or_random_source_drawing_anew_for_each_iterator
         tf.data.Dataset.sample_from_datasets(ranges, seed=1),
     ):
         assert not tf_compat.reorders(dataset), dataset
+
+
+def test_xla_kernels_lists_xlas_kernels_for_a_device_with_their_dtype_constraints():
+    tf.function(lambda: tf.constant(1.0) + 1.0, jit_compile=True)()  # XLA registers its kernels by now.
+    kernels = tf_compat.xla_kernels("XLA_CPU_JIT")
+    assert "MatMul" in kernels and "PrintV2" not in kernels and "PyFuncStateless" not in kernels
+    allowed = {name: types for kernel in kernels["MatMul"] for name, types in kernel}
+    assert tf.float32.as_datatype_enum in allowed["T"] and tf.string.as_datatype_enum not in allowed["T"]
+    assert tf_compat.xla_kernels("NO_SUCH_DEVICE") == {}
+
+
+def test_called_graph_is_the_traced_graph_of_a_function_a_graph_calls():
+    inner = tf.function(lambda x: tf.identity(x, name="inside"), autograph=False)
+    outer = tf.function(lambda x: inner(x), autograph=False).get_concrete_function(tf.constant(1.0))
+    (call,) = [
+        op
+        for op in outer.graph.get_operations()
+        if op.type == "StatefulPartitionedCall" or op.type == "PartitionedCall"
+    ]
+    found, graph = tf_compat.called_graph(outer.graph, call.get_attr("f").name)
+    assert found and "inside" in [op.name for op in graph.get_operations()]
+    assert tf_compat.called_graph(outer.graph, "no_such_function") == (False, None)
+
+
+def test_registered_op_tells_an_op_from_a_functions_name():
+    concrete = tf.function(lambda x: x + 1.0, autograph=False).get_concrete_function(tf.constant(1.0))
+    assert tf_compat.registered_op("AddV2") and tf_compat.registered_op("PyFunc")
+    assert not tf_compat.registered_op(concrete.name)

@@ -321,7 +321,8 @@ class Run:
         return logs, done
 
     def _fell_back(self, epoch, done, updates, may_end):
-        """The update XLA failed to compile, without XLA, on the batches it read (a generator's run once: the next)."""
+        """The update XLA refused, without XLA, on its batches (a generator goes on: the same ones where the refusal
+        came before they were read, `tfmp.xla_kernels`; else the next)."""
         why = f"XLA cannot compile this model: {self.steps.fallback}"
         self.callbacks.set_params({**self.callbacks.params, "jit_compile": False, "jit_compile_reason": why})
         if not self.input.generator:  # Its input again from `done`, as a resume reads it.

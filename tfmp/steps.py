@@ -27,6 +27,7 @@ from tfmp import (
     packed,
     tf_compat,
     xla,
+    xla_kernels,
 )
 
 FELL_BACK = object()  # What a first call returns when XLA could not compile it.
@@ -58,8 +59,7 @@ class Steps:
         bf16_rounding: how bfloat16 weights take each float32 update (`tfmp.bf16`): kahan, stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
         grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`, `finite`).
-            False where nothing reads them (`tfmp.fit` without a log_dir): no pass over the gradients for them
-            unless a clip or loss scale needs them (`computes_norm`); `grad_norm` NaN, every gradient finite.
+            False (nothing reads them): only where a clip or loss scale needs them (`computes_norm`), else NaN, True.
     """
 
     def __init__(
@@ -192,8 +192,8 @@ class Steps:
             return self._call(kept, updates)
         fn = (self._many if updates > 1 else self._one)[gate]
         traced = self._first_call("train", self._trace_and_call, fn, iterator, updates)
-        if traced is FELL_BACK:  # XLA failed to compile (or to trace: a merge call), its batches read: without it,
-            return self.dispatch(iterator, updates, gated) if retry else FELL_BACK  # on (`retry`) or read again.
+        if traced is FELL_BACK:  # XLA failed to compile (or to trace: a merge call), its batches read unless found
+            return self.dispatch(iterator, updates, gated) if retry else FELL_BACK  # before: on (`retry`) or again.
         kept, out = traced
         if len(self._concrete) > 8:  # Iterators of epochs gone.
             calls.let_go_of(self._concrete)
@@ -201,7 +201,10 @@ class Steps:
         return out
 
     def _trace_and_call(self, fn, iterator, updates):
-        kept = calls.Direct(fn.get_concrete_function(iterator), iterator)  # Traced, not yet run.
+        traced = fn.get_concrete_function(iterator)  # Not yet run: an op XLA has no kernel for raises before it reads.
+        if self.jit_compile and "train" not in self._ran:  # Its first call under XLA (`_first_call`).
+            xla_kernels.check(traced, xla_kernels.device_type(self.strategy))
+        kept = calls.Direct(traced, iterator)
         return kept, self._call(kept, updates)
 
     def _call(self, kept, updates):

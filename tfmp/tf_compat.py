@@ -6,8 +6,9 @@ MirroredStrategy's collective keys (tfmp gives each strategy its own), a variabl
 aggregation and the no-merge-call switch (set aside while tfmp's loss-scale cond counts an
 update where no merge call may run), the collective broadcast of a new variable's initial
 value (which takes no bfloat16), the FLOP profiler the bench uses, how tf.function
-counts a function's traces, and a variable made past any strategy's scope. The uses of
-Keras' internals are in tfmp.keras_compat.
+counts a function's traces, a variable made past any strategy's scope, the kernels XLA
+registered, the ops TensorFlow registered and the functions a traced graph calls. The
+uses of Keras' internals are in tfmp.keras_compat.
 """
 
 import contextlib
@@ -202,3 +203,32 @@ def function(fn=None, **options):
     own = functools.partial(fn)
     own.__name__ = own.__qualname__ = getattr(fn, "__name__", "function")
     return tf.function(own, **options)
+
+
+def xla_kernels(device_type):
+    """{op type: one list per kernel XLA registered for `device_type` ("XLA_CPU_JIT", "XLA_GPU_JIT") of its dtype
+    constraints, (attribute, the DataType numbers it allows)}; empty where XLA has registered none (TensorFlow's
+    registry is private)."""
+    from tensorflow.python.framework import kernels  # noqa: PLC0415 - private, here only.
+
+    found = {}
+    for kernel in kernels.get_all_registered_kernels().kernel:
+        if kernel.device_type == device_type:
+            allowed = [(c.name, frozenset(c.allowed_values.list.type)) for c in kernel.constraint]
+            found.setdefault(kernel.op, []).append([(name, types) for name, types in allowed if types])
+    return found
+
+
+def called_graph(graph, name):
+    """(Whether `graph` calls a function `name`, its graph: Python ops with their tracebacks, or None where
+    TensorFlow keeps none, a function loaded rather than traced here); a traced graph's library is private."""
+    function = graph._get_function(name)  # noqa: SLF001
+    return function is not None, getattr(function, "graph", None)
+
+
+def registered_op(name):
+    """Whether `name` is an op TensorFlow registered (its own, or a loaded library's), not a function's name: a
+    call of a function is a node whose op is the function's name (the op registry is private)."""
+    from tensorflow.python.framework import op_def_registry  # noqa: PLC0415 - private, here only.
+
+    return op_def_registry.get(name) is not None

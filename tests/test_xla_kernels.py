@@ -1,0 +1,117 @@
+"""An op XLA has no kernel for, found in the traced step before its first call reads a batch
+(`tfmp.xla_kernels`): a custom optimizer's host call, which the probe up front does not lower."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_xla import regression_data
+
+import tfmp
+from tfmp import tf_compat, xla, xla_kernels
+
+
+class HostSGD(keras.optimizers.SGD):
+    """SGD whose update reads its learning rate through the host: XLA has no kernel for the call."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        rate = tf.numpy_function(np.float32, [tf.cast(learning_rate, tf.float32)], tf.float32, stateful=False)
+        variable.assign_sub(tf.cast(tf.reshape(rate, []), variable.dtype) * gradient)  # The line named.
+
+
+def trained(strategy, given, jit_compile):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(HostSGD(0.01), "mse", jit_compile=False)
+    data = regression_data() if given == "a dataset" else (batch for batch in regression_data())
+    history = tfmp.fit(model, data, verbose=0, jit_compile=jit_compile)
+    return history, model.get_weights()
+
+
+@pytest.mark.parametrize("given", ["a generator", "a dataset"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_optimizer_xla_cannot_compile_is_found_before_the_first_step_reads_a_batch(
+    monkeypatch, caplog, mirrored, replicas, given
+):
+    """The probe lowers the forward and backward passes and the learning rate, not the update: the host call was
+    found by the first step's failed compile, after it read its batches, and a generator's first batch went
+    untrained (weights unlike those without XLA), on 2 replicas too, where the refusal came mid-step."""
+    monkeypatch.setattr(xla, "_PROBES", {})
+    strategy = mirrored if replicas == 2 else tf.distribute.get_strategy()
+    with caplog.at_level(logging.WARNING):
+        history, with_xla = trained(strategy, given, jit_compile=True)
+    assert history.params["jit_compile"] is False
+    assert "no XLA kernel for PyFuncStateless (made at test_xla_kernels.py:" in history.params["jit_compile_reason"]
+    assert sum("XLA cannot compile this model" in r.getMessage() for r in caplog.records) == 1
+    _, without = trained(strategy, given, jit_compile=False)
+    for ours, theirs in zip(with_xla, without, strict=True):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def traced(fn, *args):
+    """A concrete function calling `fn` under XLA, as a step calls its compiled stages."""
+    compiled = tf.function(fn, jit_compile=True, autograph=False)
+    return tf.function(lambda *a: compiled(*a), autograph=False).get_concrete_function(*args)
+
+
+def test_an_op_without_an_xla_kernel_is_named_with_the_line_that_made_it():
+    """`tf.print` formats its string (StringFormat, the first op of it) and prints it: XLA compiles neither."""
+
+    def printed(x):
+        tf.print(x)  # The line named.
+        return x * 2.0
+
+    with pytest.raises(xla_kernels.Unsupported) as raised:
+        xla_kernels.check(traced(printed, tf.constant(1.0)), "XLA_CPU_JIT")
+    assert xla.is_compile_failure(raised.value)
+    assert (
+        xla.reason(raised.value)
+        == f"no XLA kernel for StringFormat (made at test_xla_kernels.py:{_line('tf.print(x)')})"
+    )
+
+
+def test_a_string_input_is_named_as_xla_names_it():
+    """XLA reads a function's inputs first: a string input is its `_Arg` refused, whatever op takes it."""
+    with pytest.raises(xla_kernels.Unsupported) as raised:
+        xla_kernels.check(traced(tf.strings.length, tf.constant(["a"])), "XLA_CPU_JIT")
+    assert xla.reason(raised.value).startswith("its input holds string tensors, which XLA does not take")
+
+
+def test_a_kernel_that_does_not_take_the_ops_dtype_is_no_kernel():
+    """XLA compiles Cumsum, but not of int8, which TensorFlow's CPU kernel takes."""
+    assert np.int8 not in {tf.as_dtype(t).as_numpy_dtype for _, types in _constraints("Cumsum") for t in types}
+    xla_kernels.check(traced(tf.math.cumsum, tf.constant([1.0])), "XLA_CPU_JIT")
+    with pytest.raises(xla_kernels.Unsupported, match="on XLA_CPU_JIT: Cumsum"):
+        xla_kernels.check(traced(tf.math.cumsum, tf.constant([1], tf.int8)), "XLA_CPU_JIT")
+
+
+def test_a_host_call_outside_xla_and_loops_and_branches_under_it_are_read():
+    """Only what XLA compiles counts (a host call beside it runs on the host); a loop's body and a branch are read."""
+    host = lambda x: tf.ensure_shape(tf.numpy_function(np.negative, [x], tf.float32, stateful=False), x.shape)  # noqa: E731
+    compiled = tf.function(lambda x: x * 2.0, jit_compile=True, autograph=False)
+    beside = tf.function(lambda x: compiled(host(x)), autograph=False).get_concrete_function(tf.constant(1.0))
+    xla_kernels.check(beside, "XLA_CPU_JIT")
+    in_loop = lambda x: tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, host(y)), (0, x))[1]  # noqa: E731
+    in_branch = lambda x: tf.cond(x > 0.0, lambda: host(x), lambda: x)  # noqa: E731
+    for fn in (in_loop, in_branch):
+        with pytest.raises(xla_kernels.Unsupported, match="PyFuncStateless"):
+            xla_kernels.check(traced(fn, tf.constant(1.0)), "XLA_CPU_JIT")
+
+
+def test_the_devices_xla_compiles_for():
+    assert xla_kernels.device_type(tf.distribute.OneDeviceStrategy("/cpu:0")) == "XLA_CPU_JIT"
+    assert xla_kernels.device_type(tf.distribute.get_strategy()) in ("XLA_CPU_JIT", "XLA_GPU_JIT")
+    assert xla_kernels.check(traced(tf.math.cumsum, tf.constant([1], tf.int8)), None) is None  # Not read: a TPU's.
+
+
+def _constraints(op):
+    return [c for kernel in tf_compat.xla_kernels("XLA_CPU_JIT")[op] for c in kernel]
+
+
+def _line(text):
+    """The line of this file holding `text`, after this function's own."""
+    lines = open(__file__).read().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line and "_line(" not in line)
