@@ -58,6 +58,7 @@ def check(concrete, device_type):
     if not kernels:  # XLA's kernels not registered yet, or a device not read: the first call finds out.
         return
     _KERNELS[device_type] = kernels
+    inputs = _argument_types(kernels)  # (None known: inputs left to the first call.)
     stack, seen = [(concrete.graph, concrete.name, False)], set()
     while stack:
         graph, function, under_xla = stack.pop()
@@ -70,7 +71,7 @@ def check(concrete, device_type):
                         seen.add((name, inner))
                         stack.append((body, name, inner))
             elif under_xla and op.type in _INPUTS:
-                if not _allows(op, "dtype", _argument_types(kernels)):
+                if inputs and not _allows(op, "dtype", inputs):
                     raise Unsupported(op, function, device_type)
             elif under_xla and not _has_kernel(op, kernels.get(op.type, ())):
                 if tf_compat.registered_op(op.type):  # (Not a call of a function this graph does not hold.)
