@@ -118,6 +118,21 @@ def test_symbolic_build_builds_model_loss_metrics_and_optimizer():
     assert keras_compat.compiled(_nested()) == (None, None)
 
 
+class _HostResult(keras.metrics.MeanSquaredError):
+    def result(self):
+        return tf.numpy_function(lambda a: a, [super().result()], tf.float32, stateful=False)  # No static shape.
+
+
+def test_symbolic_build_builds_the_rest_past_a_metric_result_of_no_static_shape():
+    """Keras' build reads each metric's result, and fails on one of no static shape (model.fit on one device
+    builds its metrics at the first step instead)."""
+    model = _nested()
+    model.compile(keras.optimizers.Adam(1e-3), "mse", metrics=[_HostResult()])
+    spec = (tf.TensorSpec((None, 4)), tf.TensorSpec((None, 2)))
+    keras_compat.symbolic_build(model, spec)
+    assert model.optimizer.built and model.metrics_variables and keras_compat.compiled(model)[0] is not None
+
+
 def test_compute_loss_is_the_compiled_loss_plus_regularization():
     model = _compiled_model()
     x, y = np.ones((4, 4), "float32"), np.zeros((4, 2), "float32")

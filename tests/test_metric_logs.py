@@ -137,3 +137,34 @@ def test_elements_holding_none_train_and_evaluate_a_model_not_yet_built(mirrored
     assert got.keys() == expected.keys()
     for key in got:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, err_msg=key)
+
+
+class HostAccuracy(keras.metrics.BinaryAccuracy):
+    """A result read through the host (as a scikit-learn metric would be): no static shape."""
+
+    def result(self):
+        return tf.numpy_function(lambda a: np.float32(a), [super().result()], tf.float32, stateful=False)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_metric_whose_result_comes_from_the_host_is_logged_as_model_fit_logs_it(mirrored, jit_compile, replicas):
+    """Its result has no static shape: Keras' symbolic build of the metrics failed on it (model.fit on one device
+    builds them at its first step), and tfmp's packed step outputs refused it. Under XLA, which cannot compile the
+    host call, the step falls back before it reads a batch."""
+    x, _ = regression_arrays(64)
+    y = (x.sum(1, keepdims=True) > 4).astype("float32")
+
+    @seeded
+    def classifier():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile("sgd", "binary_crossentropy", metrics=[HostAccuracy()], jit_compile=False)
+        return model
+
+    run = {"batch_size": 16, "epochs": 2, "shuffle": False, "verbose": 0, "validation_data": (x[:32], y[:32])}
+    expected = classifier().fit(x, y, **run).history
+    history = tfmp.fit(classifier(mirrored if replicas == 2 else None), x, y, jit_compile=jit_compile, **run)
+    assert history.params["jit_compile"] is False
+    for key in ("loss", "binary_accuracy", "val_loss", "val_binary_accuracy"):
+        assert all(isinstance(v, float) for v in history.history[key])
+        np.testing.assert_allclose(history.history[key], expected[key], rtol=1e-5, err_msg=key)

@@ -1,8 +1,8 @@
 """A step's outputs cross to the host as one int32 vector and come back bit for bit: floats
-(NaN and infinities included), int64s past 32 bits, booleans, scalars and shapes."""
+(NaN and infinities included), int64s past 32 bits, booleans, scalars and shapes, known when
+the step traces or only when it runs."""
 
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from tfmp import packed
@@ -30,7 +30,27 @@ def test_every_kind_comes_back_bit_for_bit():
     assert back["finite"].dtype == bool
 
 
-def test_an_output_without_a_static_shape_is_named():
-    host = tf.function(lambda x: packed.Packed().pack({"auc": tf.numpy_function(lambda a: a, [x], tf.float32)}))
-    with pytest.raises(ValueError, match=r"'auc' has no static shape \(<unknown>\) .*tf.ensure_shape"):
-        host(tf.constant(1.0))
+def test_an_output_whose_shape_only_a_run_knows_comes_back_in_its_shape():
+    """A metric's result from the host (`tf.numpy_function`) has no static shape: the vector carries it."""
+    outputs = packed.Packed()
+    host = lambda x: tf.numpy_function(lambda a: a, [x], x.dtype)  # noqa: E731
+
+    def step(scalar, table, count, empty, flags):
+        return outputs.pack(
+            {
+                "auc": host(scalar),
+                "table": host(table),
+                "count": host(count),
+                "empty": host(empty),
+                "flags": host(flags),
+                "loss": scalar,
+            }
+        )
+
+    table = np.arange(6, dtype=np.float32).reshape(2, 3)
+    args = (np.float32(0.5), table, np.array([2**40, -1]), np.zeros((0,), np.float32), np.array([True, False]))
+    back = outputs.unpack(tf.function(step)(*args).numpy())
+    assert back["auc"] == 0.5 and np.ndim(back["auc"]) == 0 and back["loss"] == 0.5
+    np.testing.assert_array_equal(back["table"], table)
+    assert back["count"].dtype == np.int64 and back["count"].tolist() == [2**40, -1]
+    assert back["empty"].shape == (0,) and back["flags"].tolist() == [True, False]

@@ -35,7 +35,15 @@ def symbolic_build(model, element_spec):
     A None in the elements (`map(lambda x, y: (x, y, None))`) is None here, as in the batch `model.fit` builds
     from: Keras' build reads a shape of each spec, and a NoneTensorSpec has none."""
     batch = tf.nest.map_structure(lambda spec: None if _holds_none(spec) else spec, element_spec)
-    model._symbolic_build(data_batch=batch)  # noqa: SLF001
+    try:
+        model._symbolic_build(data_batch=batch)  # noqa: SLF001
+    except ValueError as e:
+        metrics = model._compile_metrics  # noqa: SLF001
+        if metrics is None or not metrics.built or "unknown TensorShape" not in str(e):
+            raise
+        # Its metrics built, a result failed: one of no static shape (a host call's), which Keras' build reads and
+        # model.fit on one device leaves to the first step. The rest built again, past the metrics.
+        model._symbolic_build(data_batch=batch)  # noqa: SLF001
 
 
 def _holds_none(spec):

@@ -60,22 +60,18 @@ def as_log(value):
 class Packed:
     """Packs a dict of tensors into one int32 vector inside a compiled function (floats and
     int64s bit for bit, booleans as 0 or 1) and unpacks that vector's value on the host, by
-    the layout recorded when the function traced."""
+    the layout recorded when the function traced. A tensor whose shape the trace does not
+    know (a metric's result from the host, `tf.numpy_function`) carries its shape in the
+    vector: its rank, then its dimensions, then its values."""
 
     def __init__(self):
-        self.layout = []  # (key, kind, shape, words) per entry, in key order.
+        self.layout = []  # (key, kind, shape, words) per entry, in key order; shape and words None where not known.
 
     def pack(self, out):
         """The int32 vector of `out`'s tensors (called while tracing)."""
         layout, words = [], []
         for key in sorted(out):
             value = tf.convert_to_tensor(out[key])
-            if not value.shape.is_fully_defined():  # Its words must be counted as the step traces.
-                raise ValueError(
-                    f"tfmp: {key!r} has no static shape ({value.shape}) among a step's outputs: give it one "
-                    "(tf.ensure_shape), as a host function's output (tf.numpy_function) needs"
-                )
-            shape = tuple(value.shape)
             if value.dtype == tf.bool:
                 kind, word = "b", tf.cast(value, tf.int32)
             elif value.dtype.is_integer:
@@ -83,7 +79,11 @@ class Packed:
             else:
                 kind, word = "f", tf.bitcast(tf.cast(value, tf.float32), tf.int32)
             word = tf.reshape(word, [-1])
-            layout.append((key, kind, shape, int(word.shape[0])))
+            if value.shape.is_fully_defined():
+                layout.append((key, kind, tuple(value.shape), int(word.shape[0])))
+            else:  # Its shape read on the host, ahead of its words.
+                layout.append((key, kind, None, None))
+                word = tf.concat([[tf.rank(value)], tf.shape(value, out_type=tf.int32), word], 0)
             words.append(word)
         self.layout = layout
         return tf.concat(words, 0)
@@ -93,6 +93,11 @@ class Packed:
         numpy value, holds."""
         out, at = {}, 0
         for key, kind, shape, size in self.layout:
+            if shape is None:  # Rank, dimensions, values.
+                rank = int(words[at])
+                shape = tuple(int(d) for d in words[at + 1 : at + 1 + rank])
+                at += 1 + rank
+                size = int(np.prod(shape, dtype=np.int64)) * (2 if kind == "i" else 1)
             part = words[at : at + size]
             at += size
             value = part.view(np.float32) if kind == "f" else part.view(np.int64) if kind == "i" else part.astype(bool)
