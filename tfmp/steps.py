@@ -59,7 +59,7 @@ class Steps:
         bf16_rounding: how bfloat16 weights take each float32 update (`tfmp.bf16`): kahan, stochastic or nearest.
         seed: seeds stochastic rounding, with the step and the variable.
         grad_norm: give each update's gradient norm and per-variable finiteness (`train`'s `grad_norm`, `finite`).
-            False (nothing reads them): only where a clip or loss scale needs them (`computes_norm`), else NaN, True.
+            False: made only where a clip or loss scale needs them (`computes_norm`), else grad_norm NaN, finite True.
     """
 
     def __init__(
