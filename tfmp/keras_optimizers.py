@@ -1,5 +1,5 @@
 """Uses of Keras optimizers' internals, in one place (tfmp.keras_compat has the rest of Keras'), each with a test in
-tests/test_keras_compat.py: a release that changes one of them fails the test named after it.
+tests/test_keras_optimizers.py: a release that changes one of them fails the test named after it.
 
 Keras 3 has no public API for an optimizer's slot variables (tfmp's fused updates, tfmp.adafactor) and for running
 its update on stand-ins (tfmp.bf16's float32 updates of bfloat16 weights), nor for which of a `MultiOptimizer`'s
