@@ -212,6 +212,48 @@ def test_only_a_shuffled_py_dataset_without_epoch_hooks_is_made_again_for_a_refu
     assert callable(made.pop("shuffled")) and made == {"hooked": None, "in order": None, "generator": None}
 
 
+def firsts(iterator, n):
+    """The first input value of each of `iterator`'s next `n` batches."""
+    return [float(next(iterator)[0][0, 0]) for _ in range(n)]
+
+
+def test_a_training_generators_batches_are_read_again_from_the_first_until_its_first_update_ran():
+    """Kept (`keep`, training's) until `settle`: a dataset made again reads what the one before had read (or
+    read ahead) from the first, then the generator on; the one before reads no more. Settled, the batches read
+    ahead are still read once each, none lost, none twice. Validation's and evaluation's keep none."""
+    numbered = ((np.full((1, 1), i, np.float32), np.zeros((1, 1), np.float32)) for i in range(40))
+    first = pydata.to_dataset(numbered, None, seed=0, keep=True)
+    before = iter(first)
+    assert firsts(before, 3) == [0, 1, 2]
+    again = pydata.made_again(first)()
+    assert pydata.runs_once(again)
+    after = iter(again)
+    assert firsts(after, 2) == [0, 1]
+    pydata.settle(again)
+    assert pydata.made_again(again) is None
+    # The kept ones (to the last that `before` read ahead), then the generator's: each once.
+    assert [float(batch[0][0, 0]) for batch in after] == list(range(2, 40))
+    assert len(list(before)) < 37  # What it had read ahead, at most: it reads no more.
+    assert pydata.made_again(pydata.to_dataset(generator(), None, seed=0)) is None  # Not training's: not kept.
+
+
+def test_settled_the_kept_batches_read_ahead_before_are_each_read_once():
+    """Deterministically, by the datasets' generators themselves (tf.data's reads ahead vary): the dataset made
+    before had read 5, the one made again 2 when the first update ran; it reads the other 3 kept, then the
+    generator's, and lets the kept go."""
+    source = pydata._Once(iter(range(40)), tf.TensorSpec([], tf.int64), keep=True)  # noqa: SLF001
+    source.dataset()
+    before = source._read(1)  # noqa: SLF001 - what tf.data calls for an iterator of the first dataset.
+    assert list(itertools.islice(before, 5)) == [0, 1, 2, 3, 4]
+    source.dataset()
+    after = source._read(2)  # noqa: SLF001
+    assert list(itertools.islice(after, 2)) == [0, 1]
+    assert next(before, None) is None  # Made again: the one before reads no more.
+    source.settle()
+    assert next(after) == 2 and source._kept == [3, 4]  # noqa: SLF001 - what it read, let go.
+    assert list(after) == list(range(3, 40))
+
+
 def test_a_py_dataset_loaded_on_one_thread_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # tf.data's, of a map told deterministic= on one thread.

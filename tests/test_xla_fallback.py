@@ -198,15 +198,17 @@ class Elsewhere(keras.layers.Layer):
 def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch, found):
     """XLA reads only the step's device (on a GPU, TensorFlow keeps int32 variables on the
     host): the fallback's warning names the variable, where it was made and what to do,
-    whether the up-front probe finds it (a generator's batches, which run once) or the first
+    whether the up-front probe finds it (batches that a new iterator reshuffles) or the first
     step (a dataset's, read again; or a variable the probe's forward and backward passes do
     not read, such as a metric's)."""
     monkeypatch.setattr(xla, "_PROBES", {})
+    probed = []
+    monkeypatch.setattr(xla, "probe", lambda *a, probe=xla.probe: probed.append(probe(*a)) or probed[-1])
     if found == "at the first step":
         monkeypatch.setattr(xla, "probe", lambda *_: None)
 
     def data():
-        return (batch for batch in regression_data()) if found == "up front" else regression_data()
+        return regression_data().shuffle(8, seed=0) if found == "up front" else regression_data()
 
     model = keras.Sequential([keras.Input((8,)), Elsewhere(), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(0.1), "mse")
@@ -220,6 +222,7 @@ def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch,
         assert run.params["jit_compile_reason"].startswith("XLA cannot compile this model: variable ")
         assert "is on CPU:1" in run.params["jit_compile_reason"]
     (warning,) = [r.getMessage() for r in caplog.records if "XLA" in r.getMessage()]  # One, for both fits.
+    assert len(probed) == (found == "up front")
     step = "GPU:0" if GPUS else "CPU:0"
     assert f"is on CPU:1, the step on {step}" in warning and "test_xla_fallback.py" in warning, warning
     assert "no tf.device of its own" in warning
@@ -345,10 +348,11 @@ def test_what_xla_refused_under_op_determinism_is_tried_again_without_it(monkeyp
 @pytest.mark.parametrize("given", ["arrays", "shuffled arrays", "a generator"])
 def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monkeypatch, given):
     """TensorFlow's XLA bridge has no deterministic MaxPool gradient and says "GPU" on every
-    device; the reason names the op and the switch, not a GPU a CPU run does not have, whether
-    the first step finds it (arrays: their batch is read again without XLA, shuffled ones from
-    their dataset made again) or the up-front probe (a generator's batches, which run once).
-    And neither needs a global seed, which model.fit
+    device; the reason names the op and the switch, not a GPU a CPU run does not have. The
+    first step finds it, and its batch is read again without XLA: arrays', shuffled ones' from
+    their dataset made again, a generator's from the batches it kept (before, the probe traced
+    the step up front for a generator, whose batches run once; without it, a batch went
+    untrained). And none needs a global seed, which model.fit
     needs only to shuffle arrays (TensorFlow finds the device to lower for by running a random
     op, which op determinism refuses unseeded)."""
     probed = []
@@ -370,5 +374,5 @@ def test_a_maxpool_under_op_determinism_is_told_which_switch_keeps_xla_off(monke
         "XLA cannot compile this model: MaxPool gradient ops have no deterministic XLA implementation, and op "
         "determinism is on (train.py's --deterministic, or tf.config.experimental.enable_op_determinism())"
     )
-    assert len(probed) == (given == "a generator")  # A first step that may refuse is not traced twice.
+    assert not probed  # A first step that may refuse is not traced twice.
     assert int(model.optimizer.iterations.numpy()) == 2  # Every batch trained, none lost to the refusal.

@@ -52,7 +52,7 @@ def datasets(
     kind = "dataset" if isinstance(data, tf.data.Dataset) else type(data).__name__
     if pydata.is_python_data(data):
         kind = "PyDataset" if isinstance(data, keras.utils.PyDataset) else "generator"
-        data, shuffle = pydata.to_dataset(data, shuffle, seed, default_shuffle=training), None
+        data, shuffle = pydata.to_dataset(data, shuffle, seed, default_shuffle=training, keep=training), None
     if pydata.is_python_data(validation_data):
         validation_data = pydata.to_dataset(validation_data, False, seed, "validation_data")
     given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}

@@ -133,21 +133,27 @@ class Input:
 
     @property
     def read_alike(self):
-        """Whether a new iterator reads the same batches in the same order (not a generator's, nor a callable's,
-        and no shuffle drawing a new order for each: `tf_compat.reorders`; or, where tfmp shuffled, one of the
-        dataset made again: `pydata.again`), as `Run._fell_back` needs (`reread`)."""
+        """Whether a new iterator reads the same batches in the same order (not a callable's, and no shuffle
+        drawing a new order for each: `tf_compat.reorders`; or one of the dataset made again: `pydata.again`, where
+        tfmp shuffled, or a generator's before its first update ran, `settle`), as `Run._fell_back` needs
+        (`reread`)."""
         again = pydata.made_again(self._given) is not None
-        return self.fn is None and not self.generator and (again or not tf_compat.reorders(self.data))
+        return self.fn is None and (again or not self.generator and not tf_compat.reorders(self.data))
 
     def reread(self, epoch, done):
         """An iterator from `done` batches into `epoch`, reading there what this run's first iterator read (where
-        `read_alike`): for the update XLA refused at its first step. What tfmp shuffled is made again."""
+        `read_alike`): for the update XLA refused at its first step. What tfmp shuffled is made again, and a
+        generator's dataset, from the batches it kept."""
         make = pydata.made_again(self._given)
         if make is not None:
             self.data = self._given = make()
             for fn in self._maps:
                 self.data = self.data.map(fn)
         return self.stream(self.position(epoch, done)) if self.streamed else self.epoch(done)
+
+    def settle(self):
+        """An update has run: a generator's batches are no longer kept to be read again (`pydata.settle`)."""
+        pydata.settle(self._given)
 
     @property
     def generator(self):

@@ -6,7 +6,9 @@ A PyDataset's batches come in an order drawn from the run's seed (shuffled each 
 trained, reads the same batches on. They load on the PyDataset's `workers` threads, except
 where it has epoch hooks of its own (`on_epoch_begin`, `on_epoch_end`): then one at a time,
 so that each hook runs between the epochs' loads. A generator's batches come as it yields
-them, each once: one epoch after another continues the same generator.
+them, each once: one epoch after another continues the same generator. Training's keeps
+those read before its first update has run (`settle`), so that a dataset made again reads
+them from the first, as a dataset does: the update XLA refused at its first step read them.
 
 The hooks run on the pipeline's thread, which reads ahead of training: `tfmp.fit` waits,
 before it returns, for the end hook of every pass it drew whole (`end_hooks_ran`), so that
@@ -31,6 +33,8 @@ END_HOOK_SECONDS = 60.0  # How long `tfmp.fit` waits for the last end hook (`end
 _HOOKED = weakref.WeakKeyDictionary()  # A dataset made here -> its PyDataset's `_Loader`, where it has hooks.
 _ONCE = weakref.WeakSet()  # The datasets made here of generators: they end, repeated or not.
 _AGAIN = weakref.WeakKeyDictionary()  # A shuffled dataset tfmp made (of a PyDataset, or arrays) -> its `again`.
+_KEEPING = weakref.WeakKeyDictionary()  # A training generator's dataset -> its `_Once`, until `settle`.
+_RAN_OUT = object()  # What `next` gives at a generator's end.
 
 
 def is_python_data(data):
@@ -38,7 +42,7 @@ def is_python_data(data):
     return isinstance(data, keras.utils.PyDataset | types.GeneratorType)
 
 
-def to_dataset(data, shuffle, seed, name="data", default_shuffle=False):
+def to_dataset(data, shuffle, seed, name="data", default_shuffle=False, keep=False):
     """A dataset of `data`'s batches (see the module's docstring).
 
     Args:
@@ -50,6 +54,7 @@ def to_dataset(data, shuffle, seed, name="data", default_shuffle=False):
         name: the argument's name, for errors.
         default_shuffle: what None means for a PyDataset (True when training, as in
             `model.fit`).
+        keep: a generator's batches are kept until `settle`, to be read again (training's).
 
     Raises:
         UsageError: `shuffle` asked of a generator, an empty input, or a batch of another form.
@@ -62,11 +67,8 @@ def to_dataset(data, shuffle, seed, name="data", default_shuffle=False):
             raise UsageError(f"{name} is a generator that yields nothing")
         spec = _spec([_standard(first, name)])
         batches = itertools.chain([first], data)  # One generator: every pass continues it.
-        flat = (tuple(_flat(_standard(b, name), spec)) for b in batches)
-        ds = tf.data.Dataset.from_generator(lambda: flat, output_signature=tuple(tf.nest.flatten(spec)))
-        ds = ds.map(lambda *leaves: tf.nest.pack_sequence_as(spec, leaves)).prefetch(tf.data.AUTOTUNE)
-        _ONCE.add(ds)
-        return ds
+        source = _Once((tuple(_flat(_standard(b, name), spec)) for b in batches), spec, keep)
+        return source.dataset()
     return _from_py_dataset(data, default_shuffle if shuffle is None else shuffle, seed, name)
 
 
@@ -104,6 +106,68 @@ def _from_py_dataset(data, shuffle, seed, name):
         _HOOKED[ds] = loader
     # Shuffled, made again where a refused first step reads it again (with hooks, not: a hook would run twice).
     return again(ds, lambda: _from_py_dataset(data, shuffle, seed, name)) if shuffle and not hooks else ds
+
+
+class _Once:
+    """A generator's batches as datasets read them, each once. Where `keep`, until `settle`, every batch pulled
+    from the generator is kept, and a dataset made again (`again`) reads them from the first, then goes on with
+    the generator; a dataset made before it reads no more (its pipeline, left behind, may still be reading
+    ahead). After `settle`, the kept batches that the last dataset had not read yet are read, then let go."""
+
+    def __init__(self, batches, spec, keep):
+        self._batches, self._spec, self._lock = batches, spec, threading.Lock()
+        self._kept = [] if keep else None
+        self._at = 0  # The kept batches the last dataset's first iterator has read.
+        self._made, self._started, self._settled = 0, set(), False
+
+    def dataset(self):
+        self._made += 1
+        made, spec = self._made, self._spec
+        ds = tf.data.Dataset.from_generator(lambda: self._read(made), output_signature=tuple(tf.nest.flatten(spec)))
+        ds = ds.map(lambda *leaves: tf.nest.pack_sequence_as(spec, leaves)).prefetch(tf.data.AUTOTUNE)
+        _ONCE.add(ds)
+        if self._kept is not None:
+            _KEEPING[ds] = self
+            again(ds, self.dataset)
+        return ds
+
+    def _read(self, made):
+        """tf.data's generator for an iterator of the dataset `made`: its first, the kept batches, then the
+        generator's next ones; another (a new epoch's) the generator's next ones."""
+        with self._lock:
+            first = made not in self._started
+            self._started.add(made)
+            self._at = 0 if first else self._at
+        while True:
+            with self._lock:
+                if made != self._made:
+                    return
+                keeping = first and self._kept is not None
+                if keeping and self._at < len(self._kept):
+                    batch = self._kept[self._at]
+                else:
+                    batch = next(self._batches, _RAN_OUT)
+                    if batch is _RAN_OUT:
+                        return
+                    if keeping and not self._settled:
+                        self._kept.append(batch)
+                self._at += keeping
+                if keeping and self._settled:  # What it read is let go.
+                    del self._kept[: self._at]
+                    self._at = 0
+            yield batch
+
+    def settle(self):
+        with self._lock:
+            self._settled = True
+
+
+def settle(dataset):
+    """`dataset`'s first update has run: a training generator's batches are no longer kept (`to_dataset`'s `keep`),
+    nor is `dataset` made again."""
+    if isinstance(dataset, tf.data.Dataset) and dataset in _KEEPING:
+        _KEEPING.pop(dataset).settle()
+        _AGAIN.pop(dataset, None)
 
 
 def runs_once(dataset):

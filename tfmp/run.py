@@ -128,9 +128,7 @@ class Run:
                     self.iterator = source.epoch(offset)
                 logs, done = self._train_epoch(epoch, offset, stop, handler, checkpoint_every)
                 # Loss-scaled, the update was skipped and nothing else shows it. (One worker: all stop alike.)
-                starved = distribute.num_workers(steps.strategy) == 1 and distribute.starved_statistics(
-                    model, steps.strategy
-                )
+                starved = not self.several and distribute.starved_statistics(model, steps.strategy)
                 if starved:
                     raise TrainingError(f"after epoch {epoch + 1}: {starved}; training stopped")
                 self._check_weights(epoch)
@@ -290,6 +288,8 @@ class Run:
                 packed = steps.dispatch(self.iterator, updates, gated=may_end, retry=False)
                 if packed is FELL_BACK:  # XLA failed at the first step.
                     packed = self._fell_back(epoch, done, updates, may_end)
+                if done == offset:  # An epoch's first update, the run's among them: the batches of a generator
+                    self.input.settle()  # kept for a refusal of that (`_fell_back`) are let go.
             except (tf.errors.OutOfRangeError, StopIteration):
                 break  # Unknown length: the epoch ended.
             batches = updates * n
@@ -321,12 +321,11 @@ class Run:
         return logs, done
 
     def _fell_back(self, epoch, done, updates, may_end):
-        """The update XLA refused, without XLA, on its batches (a generator goes on: the same ones where the refusal
-        came before they were read, `tfmp.xla_kernels`; else the next)."""
+        """The update XLA refused, without XLA, on its batches: its input read again from `done`, as a resume reads
+        it (a generator's, from the batches it kept: `pydata.settle`)."""
         why = f"XLA cannot compile this model: {self.steps.fallback}"
         self.callbacks.set_params({**self.callbacks.params, "jit_compile": False, "jit_compile_reason": why})
-        if not self.input.generator:  # Its input again from `done`, as a resume reads it.
-            self.iterator = self.input.reread(epoch, done)
+        self.iterator = self.input.reread(epoch, done)
         return self.steps.dispatch(self.iterator, updates, gated=may_end)
 
     def _reads_behind(self, handler):
