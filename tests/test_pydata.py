@@ -254,6 +254,26 @@ def test_settled_the_kept_batches_read_ahead_before_are_each_read_once():
     assert list(after) == list(range(3, 40))
 
 
+def test_a_generators_non_finite_batch_is_not_replayed_from_the_batches_after_it():
+    """The replay read a new iterator of the generator, which goes on: the batches after (here none were left,
+    "StopIteration"); it could have named another batch's cause."""
+
+    def batches():
+        for i in range(8):
+            x = np.ones((8, 4), np.float32)
+            x[2, 1] = np.nan if i == 3 else 1.0
+            yield x, np.ones((8, 1), np.float32)
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    with pytest.raises(tfmp.TrainingError, match="at step 4;") as raised:
+        tfmp.fit(model, batches(), verbose=0, jit_compile=False)
+    assert str(raised.value).endswith(
+        "Replay of the failing batch: not possible: a generator's batches are read once "
+        "(a dataset, a PyDataset or arrays are not)"
+    )
+
+
 def test_a_py_dataset_loaded_on_one_thread_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # tf.data's, of a map told deterministic= on one thread.

@@ -373,6 +373,8 @@ class Run:
     def _replay(self, position):
         """Where the non-finite values of the update that began at `position` came from."""
         source = self.input
+        if source.generator:  # Read again, it would take the generator's next batches, training's.
+            return "not possible: a generator's batches are read once (a dataset, a PyDataset or arrays are not)"
         try:
             ds = source.data if source.fn is None else source.fn(tf.distribute.InputContext())
             ds = (ds.repeat() if source.streamed else ds).skip(position).take(1)
