@@ -1,11 +1,12 @@
-"""tfmp.inputs on its own: what tfmp.fit accepts as data, the one clear error for what it
-does not, and the exact input position a resumed run continues from."""
+"""tfmp.inputs: what tfmp.fit accepts as data, the one clear error for what it does not, the
+exact input position a resumed run continues from, and the batch a NaN guard's replay reads."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import tfmp
 from tfmp import distribute, inputs, pydata
 from tfmp.errors import UsageError
 
@@ -199,3 +200,28 @@ def test_a_fit_from_a_stream_prefetched_to_a_device_trains_the_same_weights(monk
 
     for ours, host in zip(fit("/cpu:0"), fit(None), strict=True):
         np.testing.assert_array_equal(ours, host)
+
+
+@pytest.mark.parametrize("given", ["shuffled arrays", "a pipeline reshuffling each pass"])
+def test_the_nan_guard_replays_the_failing_batch_as_the_run_read_it(given):
+    """The replay read a new iterator of the input, which draws the next order: for shuffled arrays (model.fit's
+    default) it ran another batch and blamed the weights. tfmp's shuffled arrays are made again, their orders
+    drawn from the first; a pipeline of the user's that reshuffles cannot be read alike: the replay says so."""
+    x, y = np.ones((64, 4), np.float32), np.ones((64, 1), np.float32)
+    x[37, 2] = np.nan
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    with pytest.raises(tfmp.TrainingError) as raised:
+        if given == "shuffled arrays":
+            tfmp.fit(model, x, y, batch_size=8, epochs=2, verbose=0, jit_compile=False)
+        else:
+            data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=0).batch(8)
+            tfmp.fit(model, data, epochs=2, verbose=0, jit_compile=False)
+    replay = str(raised.value).split("Replay of the failing batch: ")[1]
+    if given == "shuffled arrays":
+        assert replay.startswith("the batch itself holds non-finite values (1 in its inputs)")
+    else:
+        assert replay == (
+            "not possible: a new iterator of this input draws another order (a shuffle that reshuffles each pass)"
+        )

@@ -43,6 +43,7 @@ class Input:
         self._given = self.data  # As given (a PyDataset's, or arrays': `pydata.again`), before any map of ours.
         self._maps = []  # Those maps, in turn.
         self._reads = None  # Batches read since the iterator began (a variable), where a read may end an update.
+        self._count = None  # The map that counts them, among `_maps`.
         self._grad_accum_steps = grad_accum_steps
         self.period = steps  # Batches an epoch takes from the stream.
         steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
@@ -72,7 +73,8 @@ class Input:
                 # may each read all and keep a share), and not on a TPU, whose input may run on another host.
                 if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
                     self._reads = tf_compat.host_variable(tf.constant(0, tf.int64))
-                    self._maps.append(_counted(self._reads, data.element_spec))
+                    self._count = _counted(self._reads, data.element_spec)
+                    self._maps.append(self._count)
                     data = self.data = data.map(self._maps[-1])
             self.element_spec = data.element_spec
             if cardinality == 0:
@@ -150,6 +152,24 @@ class Input:
             for fn in self._maps:
                 self.data = self.data.map(fn)
         return self.stream(self.position(epoch, done)) if self.streamed else self.epoch(done)
+
+    def replayable(self):
+        """(the input's batches as the run's first iterator read them, a dataset not distributed; or None, and why
+        not), for the NaN guard's replay of a failing batch: a new iterator of a pipeline that reshuffles each
+        pass would read other batches, and one of a generator the generator's next ones (training's)."""
+        if self.generator:  # (Made again, before its first update ran, it would start training's again.)
+            return None, "a generator's batches are read once (a dataset, a PyDataset or arrays are not)"
+        make = pydata.made_again(self._given)
+        if self.fn is not None:
+            ds = self.fn(tf.distribute.InputContext())
+            ds = ds if self._weigh is None else ds.map(self._weigh)
+        else:
+            ds = make() if make is not None else self._given  # Made again: its orders drawn from the first.
+            for fn in self._maps:
+                ds = ds if fn is self._count else ds.map(fn)  # Class weights; not the read count's.
+        if make is None and tf_compat.reorders(ds):
+            return None, "a new iterator of this input draws another order (a shuffle that reshuffles each pass)"
+        return ds, None
 
     def settle(self):
         """An update has run: a generator's batches are no longer kept to be read again (`pydata.settle`)."""

@@ -373,10 +373,10 @@ class Run:
     def _replay(self, position):
         """Where the non-finite values of the update that began at `position` came from."""
         source = self.input
-        if source.generator:  # Read again, it would take the generator's next batches, training's.
-            return "not possible: a generator's batches are read once (a dataset, a PyDataset or arrays are not)"
         try:
-            ds = source.data if source.fn is None else source.fn(tf.distribute.InputContext())
+            ds, why_not = source.replayable()  # What the run read, or None where a new iterator reads otherwise.
+            if ds is None:
+                return f"not possible: {why_not}"
             ds = (ds.repeat() if source.streamed else ds).skip(position).take(1)
             scale = loss_scale.loss_scale_of(self.steps.optimizer)
             return doctor.localize_non_finite(self.model, next(iter(ds)), scale)
