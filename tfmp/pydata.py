@@ -137,7 +137,8 @@ class _Once:
         with self._lock:
             first = made not in self._started
             self._started.add(made)
-            self._at = 0 if first else self._at
+            if first:
+                self._at = 0
         while True:
             with self._lock:
                 if made != self._made:
@@ -151,10 +152,11 @@ class _Once:
                         return
                     if keeping and not self._settled:
                         self._kept.append(batch)
-                self._at += keeping
-                if keeping and self._settled:  # What it read is let go.
-                    del self._kept[: self._at]
-                    self._at = 0
+                if keeping:
+                    self._at += 1
+                    if self._settled:  # What it read is let go.
+                        del self._kept[: self._at]
+                        self._at = 0
             yield batch
 
     def settle(self):
