@@ -174,6 +174,24 @@ def test_finiteness_reads_one_compiled_check_or_each_variable_where_it_cannot_ru
     assert host() and callbacks.finiteness([weights[1]])()  # No floating-point weight: finite.
 
 
+def test_finiteness_reads_each_variable_where_finite_values_overflow_their_sums():
+    """The check adds each variable's values (a NaN or inf makes the sum so); where finite values overflow the
+    sums (float32's largest, twice; float16's, added in float32; float64's, beyond float32) it reads each."""
+    weights = [
+        keras.Variable(np.full(2, 3e38, np.float32)),
+        keras.Variable(np.full(4, 6e4, np.float16)),
+        keras.Variable(np.array([1e300, 1e300]), dtype="float64"),
+    ]
+    check = callbacks.finiteness(weights)
+    assert check() and callbacks.first_non_finite(weights) is None
+    for weight, bad in zip(weights, (np.inf, np.nan, -np.inf), strict=True):
+        kept = weight.numpy()
+        weight.assign(np.where([True] + [False] * (kept.size - 1), bad, kept).astype(kept.dtype))
+        assert not check() and callbacks.first_non_finite(weights) == weight.path
+        weight.assign(kept)
+    assert check()
+
+
 def test_a_models_finiteness_check_is_kept_while_its_weights_are_the_same():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     check = callbacks.weights_finiteness(model)
