@@ -154,7 +154,8 @@ def finiteness(variables):
     def sums_finite():
         sums = {}  # dtype -> its variables' sums (float16's in float32: its range overflows sooner).
         for v in floats:
-            value = tf.cast(v.value, tf.float32) if v.value.dtype == tf.float16 else v.value
+            value = v.value
+            value = tf.cast(value, tf.float32) if value.dtype == tf.float16 else value
             sums.setdefault(value.dtype, []).append(tf.reduce_sum(value))
         return tf.reduce_all(tf.stack([tf.math.is_finite(tf.add_n(each)) for each in sums.values()]))
 
