@@ -175,8 +175,9 @@ def test_finiteness_reads_one_compiled_check_or_each_variable_where_it_cannot_ru
 
 
 def test_finiteness_reads_each_variable_where_finite_values_overflow_their_sums():
-    """The check adds each variable's values (a NaN or inf makes the sum so); where finite values overflow the
-    sums (float32's largest, twice; float16's, added in float32; float64's, beyond float32) it reads each."""
+    """The check adds each variable's values (a NaN or inf makes the sum so); where finite values overflow a sum
+    (float32's largest, twice) it reads each, in its own dtype (float64's 1e300 is inf in float32). float16's
+    largest values, added in float32, overflow nothing."""
     weights = [
         keras.Variable(np.full(2, 3e38, np.float32)),
         keras.Variable(np.full(4, 6e4, np.float16)),
