@@ -187,7 +187,9 @@ def test_finiteness_reads_each_variable_where_finite_values_overflow_their_sums(
     assert check() and callbacks.first_non_finite(weights) is None
     for weight, bad in zip(weights, (np.inf, np.nan, -np.inf), strict=True):
         kept = weight.numpy()
-        weight.assign(np.where([True] + [False] * (kept.size - 1), bad, kept).astype(kept.dtype))
+        spoiled = kept.copy()
+        spoiled[0] = bad
+        weight.assign(spoiled)
         assert not check() and callbacks.first_non_finite(weights) == weight.path
         weight.assign(kept)
     assert check()
