@@ -17,6 +17,7 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(1e-2, **BETAS),
     "adamw": lambda: keras.optimizers.AdamW(1e-2, weight_decay=0.1, **BETAS),
     "sgd": lambda: keras.optimizers.SGD(0.05),
+    "clipped_sgd": lambda: keras.optimizers.SGD(0.05, clipnorm=0.1),  # Its own clip: a norm of the rows summed.
     "momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
     "nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
     "amsgrad": lambda: keras.optimizers.Adam(1e-2, amsgrad=True),  # Not fused: Keras' update.
@@ -116,19 +117,40 @@ def test_adam_is_fused_only_where_the_kernel_rounds_as_keras_does():
 
 
 @pytest.mark.parametrize(
-    "optimizer, replicas, deduplicated",
-    [("adam", 1, False), ("momentum", 1, False), ("amsgrad", 1, False), ("sgd", 1, True), ("adam", 2, True)],
+    "optimizer, replicas, clipnorm, deduplicated",
+    [
+        ("adam", 1, None, False),
+        ("momentum", 1, None, False),
+        ("amsgrad", 1, None, False),
+        ("sgd", 1, None, False),
+        ("sgd", 2, None, False),
+        ("sgd", 1, 1.0, True),
+        ("clipped_sgd", 1, None, True),
+        ("adam", 2, None, True),
+    ],
 )
-def test_embedding_gradient_dense_at_once_where_nothing_gains_from_sparse(mirrored, optimizer, replicas, deduplicated):
+def test_embedding_gradient_dense_at_once_where_nothing_gains_from_sparse(
+    mirrored, optimizer, replicas, clipnorm, deduplicated
+):
     # On one replica Adam and momentum make the embedding's gradient dense anyway (fused or
-    # Keras' own update, as amsgrad's): it is made dense first, not deduplicated for the
-    # norm. Plain SGD updates the rows looked up only, and two replicas all-gather the
-    # rows: those keep it sparse (deduplicated).
+    # Keras' own update, as amsgrad's): it is made dense first, not deduplicated. Plain SGD
+    # updates the rows looked up only, and two replicas all-gather the rows: those keep it
+    # sparse, an id's rows summed where the norm (a clip) or the update (Adam's) needs it.
     model = _model(optimizer, mirrored if replicas == 2 else None)
-    tfmp.fit(model, _data(), steps_per_epoch=1, verbose=0)
+    tfmp.fit(model, _data(), steps_per_epoch=1, clipnorm=clipnorm, verbose=0)
     ops = _op_types(model)
     assert ("TensorScatterMin" in ops) == deduplicated  # Each index's first row, for the sum.
     assert not ops & {"Unique", "TopKV2"}  # XLA: a loop over every index; a dynamic module.
+
+
+def test_an_embedding_under_plain_sgd_trains_to_model_fits_bits():
+    """Keras' SGD scatters an id's rows apart; summed first (for a norm nothing reads) they rounded
+    otherwise."""
+    ours, theirs = _model("sgd"), _model("sgd")
+    tfmp.fit(ours, _data(), epochs=2, jit_compile=False, verbose=0)
+    theirs.fit(_data(), epochs=2, verbose=0)
+    for a, b in zip(_state(ours), _state(theirs), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("optimizer, replicas", [("adam", 1), ("amsgrad", 1), ("rmsprop", 1), ("rmsprop", 2)])

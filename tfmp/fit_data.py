@@ -185,8 +185,12 @@ def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False)
     examples in a new order each pass where `shuffle` (`"batch"`, as in `model.fit`: each batch's
     examples, consecutive, in a new order within it): the same orders for the same `seed`,
     so that a resumed run, which skips the batches trained, reads the same batches on.
-    The shuffle buffer holds the examples' indices, not copies of the examples."""
+    The shuffle buffer holds the examples' indices, not copies of the examples. Where every
+    batch is whole, their size is static, as in `model.fit` (TensorFlow's graph optimizer then
+    multiplies by 1 / N where a mean's gradient divides by N: a BatchNormalization trains to
+    model.fit's bits)."""
     n, tensors = num_examples(arrays), _tensors(arrays)
+    drop_remainder = drop_remainder or n % batch_size == 0  # Drops nothing: a static batch size.
     order = tf.data.Dataset.range(n)
     if shuffle:
         order = order.shuffle(n, seed=seed, reshuffle_each_iteration=True)

@@ -9,8 +9,10 @@ BERT-base Adam update takes 101 ms fused against 262 ms (see README, Performance
 tfmp's steps use them for the float32 variables of `keras.optimizers.SGD`, and of
 `keras.optimizers.Adam` (and AdamW, whose weight decay Keras applies before the update)
 only where the kernel gives Keras' own bits (see `update_step`): tfmp.fit's weights equal
-model.fit's. An embedding's sparse gradient is made dense first, as Keras' own update
-does, except for SGD without momentum, whose update touches only the rows looked up.
+model.fit's. (Without XLA, SGD's kernels take Keras' own product of gradient and learning
+rate, an op more a variable: TensorFlow's graph optimizer rewrites that product.) An
+embedding's sparse gradient is made dense first, as Keras' own update does, except for SGD
+without momentum, whose update touches only the rows looked up.
 Anything else keeps Keras' own update: other optimizers, subclasses that change the
 update, amsgrad, variables that are not float32. The optimizer's variables, checkpoints and results are
 unchanged. Adafactor's update is Keras' own with one repair (`tfmp.adafactor`), whether fused or not.
@@ -48,18 +50,22 @@ def _adam(optimizer, gradient, variable, learning_rate):
     )
 
 
-def _sgd(optimizer, gradient, variable, learning_rate):
+def _sgd(optimizer, gradient, variable, learning_rate, keras_product=True):
     # Keras: m = m * momentum - g * lr; var += m (nesterov: var += m * momentum - g * lr);
-    # without momentum var -= g * lr.
+    # without momentum var -= g * lr. With `keras_product`, g * lr is Keras' own op and the
+    # kernels' lr 1 (x * 1 is x): TensorFlow's graph optimizer reorders a chain of products (a
+    # BatchNormalization's gamma gradient times lr) in Keras' update and in this one alike.
+    lr, grad = _float(learning_rate), _float(gradient)
+    if keras_product:
+        lr, grad = tf.constant(1.0), tf.multiply(grad, lr)
     if optimizer.momentum == 0:
-        lr, grad = _float(learning_rate), _float(gradient)
         tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=lr, delta=grad)
         return
     tf.raw_ops.ResourceApplyKerasMomentum(
         var=variable.handle,
         accum=keras_optimizers.slot(optimizer, "momentums", variable).handle,
-        lr=_float(learning_rate),
-        grad=_float(gradient),
+        lr=lr,
+        grad=grad,
         momentum=_float(optimizer.momentum),
         use_nesterov=bool(optimizer.nesterov),
     )
@@ -90,7 +96,31 @@ def keras_densifies(optimizer):
     return any(update is getattr(keras.optimizers, name).update_step for name in _DENSE_UPDATES)
 
 
-def update_step(optimizer, exact=True, fuse=True):
+def sums_rows_itself(optimizer):
+    """Whether `optimizer`'s update takes an embedding's sparse gradient with an id's rows
+    apart as it would take their sum: plain SGD's scatter (Keras' own update, model.fit's
+    bits), where the optimizer neither clips (its norm would count the rows apart) nor
+    accumulates gradients of its own."""
+    if type(optimizer).update_step is not keras.optimizers.SGD.update_step or optimizer.momentum != 0:
+        return False
+    own = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
+    return not any(getattr(optimizer, name, None) for name in own)
+
+
+def sparse_plan(optimizers, bfloat16, alone, sparse, norm):
+    """For each variable, given its optimizer, whether its weight is bfloat16 (`tfmp.bf16`), whether
+    the step runs on one replica, keeps gradients `sparse` and computes their `norm`: (its
+    gradient made dense before the all-reduce, an id's rows of its sparse gradient summed).
+
+    Dense: all of them where not `sparse`; on one replica (nothing to all-reduce), those the
+    update makes dense anyway (Adam's moments decay on every row; a bfloat16 weight's update
+    reads its gradient whole): once dense, they need no summing. Summed (`gradients.deduplicate`):
+    for the norm, which must be the dense gradient's, and for every update but plain SGD's."""
+    dense = [not sparse or (alone and (keras_densifies(o) or b)) for o, b in zip(optimizers, bfloat16, strict=True)]
+    return dense, [norm or not sums_rows_itself(o) for o in optimizers]
+
+
+def update_step(optimizer, exact=True, fuse=True, graph_optimized=lambda: True):
     """A replacement for `optimizer.update_step(gradient, variable, learning_rate)`: a fused
     one (with `fuse`), falling back to Keras' own for what it does not cover; Keras'
     Adafactor update without its 0 / 0 (`tfmp.adafactor`), fused or not; None for other
@@ -99,7 +129,9 @@ def update_step(optimizer, exact=True, fuse=True):
     With `exact`, only where the kernel gives Keras' own bits: SGD (with or without
     momentum) always, Adam and AdamW only for betas whose `1 - beta` the kernel rounds
     as Keras does (not the defaults). `exact=False` fuses Adam anyway (the benchmark's
-    update timing)."""
+    update timing). `graph_optimized()`, asked as the update traces: whether TensorFlow's
+    graph optimizer will rewrite it (not under XLA), so that SGD's kernels take Keras' own
+    product g * lr, one op more a variable (under XLA the kernel's product is the same)."""
     if adafactor.is_keras(optimizer):
         return functools.partial(adafactor.update_step, optimizer)
     if not fuse:
@@ -124,6 +156,8 @@ def update_step(optimizer, exact=True, fuse=True):
             # Adam's moments and momentum decay on every row: Keras' update makes the
             # gradient dense for them anyway (its first subtraction does).
             gradient = tf.convert_to_tensor(gradient)
+        if fused is _sgd:
+            return _sgd(optimizer, gradient, variable, learning_rate, graph_optimized())
         return fused(optimizer, gradient, variable, learning_rate)
 
     return step

@@ -94,15 +94,12 @@ class Steps:
         self._bf16 = [bf16.is_bfloat16(v) for v in self.variables]  # Updated in float32, compensated.
         hooks = {}  # Per optimizer (a MultiOptimizer's each): (its update_step, its weight decay filter).
         for sub, variables in keras_optimizers.optimizer_groups(inner, self.variables):
-            update_step = fused.update_step(sub, fuse=fused_updates)  # Made once, not per call.
+            update_step = fused.update_step(sub, fuse=fused_updates, graph_optimized=lambda: not self.jit_compile)
             hooks[id(sub)] = bf16.applier_hooks(sub, variables, strategy, bf16_rounding, seed, update_step)
         self._applier = keras_optimizers.reduced_applier(self.optimizer, hooks, "gradients_reduced")  # Shares its state
-        # Which gradients to make dense before the all-reduce: all of them with sparse=False; on one replica
-        # (nothing to all-reduce), those the update makes dense anyway (Adam's moments decay on every row): once
-        # dense, they need no deduplication. A bfloat16 weight's update (tfmp.bf16) reads its gradient whole.
+        owners = [keras_optimizers.optimizer_for(inner, v) for v in self.variables]  # Each one's optimizer.
         alone = strategy.num_replicas_in_sync == 1
-        dense_update = [fused.keras_densifies(keras_optimizers.optimizer_for(inner, v)) for v in self.variables]
-        self._dense = [not self.sparse or (alone and (d or b)) for d, b in zip(dense_update, self._bf16, strict=True)]
+        self._dense, self._sums_rows = fused.sparse_plan(owners, self._bf16, alone, self.sparse, self.grad_norm)
         self._outputs = packed.Packed()  # What a step returns, read with one copy.
         self._ran, self.fallback = set(), None  # Kinds of step run under XLA; why XLA failed an update (`_first_call`).
         self.refused = lambda why: None  # Told that why (`xla.resolve` keeps it for models alike).
@@ -244,10 +241,11 @@ class Steps:
         return grads, tf.add_n(losses) / len(losses), divisor
 
     def _unscale_and_check(self, grads):
-        """(gradients with one row per index, their global norm unscaled, per-variable finiteness). One pass
+        """(gradients, one row an id where summed, their global norm unscaled, per-variable finiteness). One pass
         over each gradient gives both: its sum of squares, finite where the gradient is (or, past 1e19, where it
         overflows float32: then the norm is not finite either). No cond: one per gradient would add its ops."""
-        grads = [gradients.deduplicate(g) for g in grads]  # So that the norm is the dense one's (and the update).
+        summed = [self._sums_rows[i] for i in self.applied]  # For the norm and the update (`fused.sparse_plan`).
+        grads = [gradients.deduplicate(g) if sums else g for g, sums in zip(grads, summed, strict=True)]
         if not self.grad_norm:  # Nothing reads them: no pass over the gradients (Keras fit makes none either).
             return grads, tf.constant(float("nan")), tf.ones([len(grads)], tf.bool)
         squares = gradients.half_squares_all(grads, self._grouped)
