@@ -85,15 +85,19 @@ def _same_as_keras(beta):
 _DENSE_UPDATES = ("Adam", "Adamax", "Nadam", "Lion", "Adafactor", "RMSprop")
 
 
+def _sgd_update(optimizer):
+    """Whether `optimizer` updates with Keras' own SGD update (a subclass may change it)."""
+    return type(optimizer).update_step is keras.optimizers.SGD.update_step
+
+
 def keras_densifies(optimizer):
     """Whether `optimizer`'s update (Keras' or the fused one) makes an embedding's sparse
     gradient dense anyway: Adam and AdamW, Adamax, Nadam, Lion, Adafactor, RMSprop and SGD
     with momentum. Not plain SGD, which updates the rows looked up only, nor any other
     (Adagrad, say, scatters its rows; a subclass may change the update)."""
-    update = type(optimizer).update_step
-    if update is keras.optimizers.SGD.update_step:
+    if _sgd_update(optimizer):
         return optimizer.momentum != 0
-    return any(update is getattr(keras.optimizers, name).update_step for name in _DENSE_UPDATES)
+    return any(type(optimizer).update_step is getattr(keras.optimizers, name).update_step for name in _DENSE_UPDATES)
 
 
 def sums_rows_itself(optimizer):
@@ -101,7 +105,7 @@ def sums_rows_itself(optimizer):
     apart as it would take their sum: plain SGD's scatter (Keras' own update, model.fit's
     bits), where the optimizer neither clips (its norm would count the rows apart) nor
     accumulates gradients of its own."""
-    if type(optimizer).update_step is not keras.optimizers.SGD.update_step or optimizer.momentum != 0:
+    if not _sgd_update(optimizer) or keras_densifies(optimizer):
         return False
     own = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
     return not any(getattr(optimizer, name, None) for name in own)
@@ -140,7 +144,7 @@ def update_step(optimizer, exact=True, fuse=True, graph_optimized=lambda: True):
     adam = kind.update_step is keras.optimizers.Adam.update_step and not optimizer.amsgrad
     if adam and (not exact or (_same_as_keras(optimizer.beta_1) and _same_as_keras(optimizer.beta_2))):
         fused = _adam
-    elif kind.update_step is keras.optimizers.SGD.update_step:
+    elif _sgd_update(optimizer):
         fused = _sgd
     else:
         return None
