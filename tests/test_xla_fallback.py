@@ -14,7 +14,7 @@ from tensorflow.python.framework import config as tf_config  # No public switch 
 from test_xla import regression_data
 
 import tfmp
-from tfmp import xla
+from tfmp import xla, xla_kernels
 
 
 def host_identity(x):
@@ -230,8 +230,8 @@ def test_a_variable_on_another_device_is_named_with_the_fix(caplog, monkeypatch,
         "Trying to access resource Variable/9 (defined @ /m.py:27) located in device /job:localhost/replica:0/"
         "task:0/device:CPU:0 from device /job:localhost/replica:0/task:0/device:GPU:0"
     )
-    assert "int64 or float32 if it is int32" in xla._elsewhere(gpu_text)  # noqa: SLF001
-    assert xla._elsewhere("some other failure") is None  # noqa: SLF001
+    assert "int64 or float32 if it is int32" in xla_kernels.elsewhere(gpu_text)
+    assert xla_kernels.elsewhere("some other failure") is None
 
 
 @pytest.mark.parametrize("read", ["by epoch", "as a stream", "by epoch on 2 replicas", "2 updates a call of 2"])

@@ -1,5 +1,5 @@
-"""An op XLA has no kernel for, found in the traced step before its first call reads a batch
-(`tfmp.xla_kernels`): a custom optimizer's host call, which the probe up front does not lower."""
+"""An op XLA has no kernel for, or a variable on another device, found in the traced step before its first call
+reads a batch (`tfmp.xla_kernels`): a custom optimizer's host call, which the probe up front does not lower."""
 
 import logging
 
@@ -50,6 +50,43 @@ def test_an_optimizer_xla_cannot_compile_is_found_before_the_first_step_reads_a_
     _, without = trained(strategy, given, jit_compile=False)
     for ours, theirs in zip(with_xla, without, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+COUNTS = tf.Variable(0.0)  # One device's, made outside any strategy: CPU:0's.
+
+
+class CountingSGD(keras.optimizers.SGD):
+    """SGD that counts its updates in a variable of CPU:0, which XLA cannot read on CPU:1."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        COUNTS.assign_add(1.0)  # The line named.
+        super().update_step(gradient, variable, learning_rate)
+
+
+def test_on_2_replicas_an_update_reading_a_variable_of_one_device_is_refused_before_any_replica_runs(mirrored):
+    """XLA refused the update on CPU:1 only, at the first step, after CPU:0's had run: its copies of the weights
+    took a step CPU:1's never took (0.02-0.13 apart after 2 epochs, the loss unlike that without XLA), and the
+    step ran again on both without XLA (CPU:0 counted 132 updates, not 128)."""
+    runs = []
+    for jit_compile in (True, False):
+        COUNTS.assign(0.0)
+        keras.utils.set_random_seed(0)
+        with mirrored.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+            model.compile(CountingSGD(0.01), "mse")
+        history = tfmp.fit(model, regression_data(), epochs=2, verbose=0, strategy=mirrored, jit_compile=jit_compile)
+        runs.append((history, model.weights, COUNTS.numpy()))
+    (refused, weights, counts), (plain, plain_weights, plain_counts) = runs
+    read_at = f"(read at test_xla_kernels.py:{_line('COUNTS.assign_add(1.0)')})"
+    assert refused.params["jit_compile_reason"] == (
+        f"XLA cannot compile this model: variable Variable {read_at} is on CPU:0, the step on CPU:1, and XLA reads "
+        "only the step's: make it with no tf.device of its own"
+    )
+    assert refused.history == plain.history and counts == plain_counts == 2 * 4 * 2 * 8  # Replicas, weights, epochs.
+    for ours, theirs in zip(weights, plain_weights, strict=True):
+        copies = mirrored.experimental_local_results(ours.value)
+        for copy in copies:  # Each replica's copy of each weight.
+            np.testing.assert_array_equal(copy, theirs.numpy())
 
 
 def traced(fn, *args):

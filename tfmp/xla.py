@@ -14,7 +14,6 @@ would time differently and must all run the same collectives, and under op deter
 where reruns must match bit for bit, "autotune" follows the rule too.
 """
 
-import os
 import re
 import time
 import warnings
@@ -23,14 +22,23 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tfmp import decisions, distribute, gradients, keras_compat, keras_optimizers, precision, tf_compat, timing
+from tfmp import (
+    decisions,
+    distribute,
+    gradients,
+    keras_compat,
+    keras_optimizers,
+    precision,
+    tf_compat,
+    timing,
+    xla_kernels,
+)
 from tfmp.errors import UsageError, first_line
 
 CHOICES = ("auto", "autotune", True, False)
 AUTO_BUDGET_SECONDS = 15.0
 TURN_SECONDS = 0.25  # Each variant's share of a round.
-# Per model architecture, batch and setup, in this process: whether XLA compiles it (None
-# or why not), and what "autotune" measured.
+# Per model architecture, batch and setup, in this process: whether XLA compiles it (None or why not), "autotune"'s.
 _PROBES, _VERDICTS = {}, {}
 ON, OFF = "XLA", "no XLA"
 
@@ -100,7 +108,11 @@ def is_compile_failure(error):
     text = str(error)
     if isinstance(error, RuntimeError):  # Only a merge call that the compiled step cannot hold.
         return _MERGE_CALL in text
-    return "XLA" in text or "unsupported operations when trying to compile" in text or _elsewhere(text) is not None
+    return (
+        "XLA" in text
+        or "unsupported operations when trying to compile" in text
+        or xla_kernels.elsewhere(text) is not None
+    )
 
 
 def reason(error):
@@ -114,7 +126,7 @@ def reason(error):
         kind = taken.group(1).lower()
         return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
     if unsupported:
-        return f"no XLA kernel for {unsupported.group(1)}{_made_at(text)}"
+        return f"no XLA kernel for {unsupported.group(1)}{xla_kernels.made_at(text)}"
     determinism = re.search(r"(?:GPU )?(\w[\w ]*?) do(?:es)? not yet have a deterministic XLA implementation", text)
     if determinism:  # TensorFlow's words say "GPU" on every device.
         return (
@@ -130,37 +142,10 @@ def reason(error):
             f"{who} syncs replicas in its forward pass (an all-reduce, or an update of a variable whose aggregation "
             f'is "mean" or "sum"), {_NOT_ON_THESE}'
         )
-    return _elsewhere(text) or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
-
-
-# Frames of TensorFlow's and Keras' machinery, not of a layer's own code.
-_MACHINERY = re.compile(
-    r"/(tensorflow|tf_keras)/|/keras/src/(backend|ops|utils|models|trainers)/|/keras/src/layers/layer\.py"
-    r"|/tfmp/(?!app/)"  # tfmp's own steps, not its bundled models.
-)
-
-
-def _made_at(text):
-    """ " (made at FILE:LINE)": the last frame, of those XLA's error says made the op, that is
-    a layer's own code (a Keras layer's file, or the user's), not the machinery; else ""."""
-    frames = re.findall(r'File "([^"]+)", line (\d+)', text.partition("The op is created at")[2])
-    own = [(path, line) for path, line in frames if not _MACHINERY.search(path) and not path.startswith("<")]
-    return f" (made at {os.path.basename(own[-1][0])}:{own[-1][1]})" if own else ""
-
-
-def _elsewhere(text):
-    """The reason, in a user's words, when the step reads a variable on another device: on
-    a GPU TensorFlow keeps int32 variables in host memory, where XLA's GPU computation
-    cannot read them. None for any other text."""
-    device = r"\S*device:(\w+:\d+)"
-    found = re.search(rf"resource (\S+) \(defined @ ([^)]+)\) located in device {device} from device {device}", text)
-    if not found:
-        return None
-    name, where, held, step = found.groups()
-    fix = "make it with no tf.device of its own"
-    if held.startswith("CPU") and step.startswith("GPU"):
-        fix += ", and int64 or float32 if it is int32 (TensorFlow keeps int32 variables on the host)"
-    return f"variable {name} (made at {where}) is on {held}, the step on {step}, and XLA reads only the step's: {fix}"
+    return (
+        xla_kernels.elsewhere(text)
+        or first_line(error, limit=1000).removeprefix("Failed getting HLO text: ").strip("'")[:200]
+    )
 
 
 def _throughput(steps, jit, batches, repeats):

@@ -1,4 +1,4 @@
-"""An op XLA has no kernel for, found in a traced step before its first call runs.
+"""An op XLA has no kernel for, or a variable on another device, found in a traced step before its first call runs.
 
 XLA refuses such a step when it compiles it, at its first call, after the call has read its
 batches: a generator's are then gone (its next batches train in their place, where Keras fit
@@ -9,10 +9,15 @@ custom optimizer's host call (`tf.numpy_function`, `tf.print`) is found here ins
 traced step's XLA functions are read op by op against the kernels XLA registered for the
 device, with their dtype constraints (0.05-0.19 s for 300 variables, an Intel Xeon, 2 cores),
 and such an op raises the error XLA would raise, before anything runs: `Steps` then falls back
-to no XLA as at a failed first call, with no batch read. What only a compile finds (an input
-XLA needs constant, a kernel op determinism lacks, a variable on another device) still comes
-at the first call.
+to no XLA as at a failed first call, with no batch read. So does a variable an XLA computation
+takes from another device than its own (`Elsewhere`): on several replicas XLA refused it on
+one replica's device only, after the others had run theirs, and their copies of the weights
+parted for good. What only a compile finds (an input XLA needs constant, a kernel op
+determinism lacks) still comes at the first call, alike on every replica.
 """
+
+import os
+import re
 
 import tensorflow as tf
 
@@ -40,6 +45,39 @@ class Unsupported(tf.errors.UnimplementedError):
         super().__init__(None, None, message)
 
 
+# Frames of TensorFlow's and Keras' machinery, not of a layer's own code.
+MACHINERY = re.compile(
+    r"/(tensorflow|tf_keras)/|/keras/src/(backend|ops|utils|models|trainers)/|/keras/src/layers/layer\.py"
+    r"|/tfmp/(?!app/)"  # tfmp's own steps, not its bundled models.
+)
+
+
+def made_at(text):
+    """ " (made at FILE:LINE)": the last frame, of those XLA's error says made the op, that is
+    a layer's own code (a Keras layer's file, or the user's), not the machinery; else ""."""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', text.partition("The op is created at")[2])
+    own = [(path, line) for path, line in frames if not MACHINERY.search(path) and not path.startswith("<")]
+    return f" (made at {os.path.basename(own[-1][0])}:{own[-1][1]})" if own else ""
+
+
+def elsewhere(text):
+    """The reason, in a user's words, when the step reads a variable on another device (TensorFlow's error says
+    where it was made, `Elsewhere` where the step reads it); on a GPU TensorFlow keeps int32 variables in host
+    memory, where XLA's GPU computation cannot read them. None for any other text."""
+    device = r"\S*device:(\w+:\d+)"
+    found = re.search(
+        rf"resource (\S+) \((defined @|read in) ([^)]+)\) located in device {device} from device {device}", text
+    )
+    if not found:
+        return None
+    name, how, where, held, step = found.groups()
+    fix = "make it with no tf.device of its own"
+    if held.startswith("CPU") and step.startswith("GPU"):
+        fix += ", and int64 or float32 if it is int32 (TensorFlow keeps int32 variables on the host)"
+    at = f"made at {where}" if how == "defined @" else made_at(text)[2:-1].replace("made", "read") or f"read in {where}"
+    return f"variable {name} ({at}) is on {held}, the step on {step}, and XLA reads only the step's: {fix}"
+
+
 def device_type(strategy):
     """XLA's device type for `strategy`'s devices: "XLA_CPU_JIT", "XLA_GPU_JIT", or None (a TPU, read no further).
     The default strategy's is the default device's: a GPU where there is one."""
@@ -59,23 +97,77 @@ def check(concrete, device_type):
         return
     _KERNELS[device_type] = kernels
     inputs = _argument_types(kernels)  # (None known: inputs left to the first call.)
-    stack, seen = [(concrete.graph, concrete.name, False)], set()
+    stack, seen = [(concrete.graph, concrete.name, False, _captured_variables(concrete), "")], set()
     while stack:
-        graph, function, under_xla = stack.pop()
+        graph, function, under_xla, held, device = stack.pop()
         for op in sorted(graph.get_operations(), key=lambda op: op.type not in _INPUTS):  # Inputs first, as XLA.
             called = _called(op, graph, kernels)
             if called is not None:  # Its functions read in turn (under XLA from a call XLA must compile).
                 inner = under_xla or _must_compile(op)
                 for name, body in called:
+                    passed = _passed(op, body, held) if body is not None else {}
+                    if inner and not under_xla:  # XLA's computation starts here, on the call's device (each call's).
+                        _check_devices(op.device or device, passed, body, name)
                     if body is not None and (name, inner) not in seen:
                         seen.add((name, inner))
-                        stack.append((body, name, inner))
+                        stack.append((body, name, inner, passed, op.device or device))
             elif under_xla and op.type in _INPUTS:
                 if inputs and not _allows(op, "dtype", inputs):
                     raise Unsupported(op, function, device_type)
             elif under_xla and not _has_kernel(op, kernels.get(op.type, ())):
                 if tf_compat.registered_op(op.type):  # (Not a call of a function this graph does not hold.)
                     raise Unsupported(op, function, device_type)
+
+
+class Elsewhere(tf.errors.InvalidArgumentError):
+    """XLA's own words for a variable its computation reads on another device than its own (`xla.reason` reads
+    them; on several replicas the others' updates would run, and their copies of the weights part), raised before
+    the step runs."""
+
+    def __init__(self, variable, held, device, reader, function):
+        frames = "".join(f'File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in reader.traceback)
+        message = (
+            f"Trying to access resource {variable} (read in XLA function {function}) located in device {held} from "
+            f"device {device}\nThe op is created at: \n{frames}"
+        )
+        super().__init__(None, None, message)
+
+
+def _captured_variables(concrete):
+    """{placeholder's name: (variable's name, its device)} for the variables `concrete` captures."""
+    names = {id(v.handle): v.name.removesuffix(":0") for v in concrete.graph.variables}
+    captured = concrete.graph.captures
+    return {i.name: (names[id(e)], e.device) for e, i in captured if id(e) in names and e.device}
+
+
+def _passed(op, body, held):
+    """`held` (variables by tensor name) as `body`, called by `op`, receives them: its inputs in order (a branch's
+    after the branch's index or condition)."""
+    given = op.inputs[1:] if op.type in ("If", "StatelessIf", "Case", "StatelessCase") else op.inputs
+    inputs = getattr(body, "inputs", ())
+    if len(given) != len(inputs):  # (Not a call this reads: left to the first call.)
+        return {}
+    return {inner.name: held[outer.name] for outer, inner in zip(given, inputs, strict=True) if outer.name in held}
+
+
+def _check_devices(device, passed, body, function):
+    """Raises `Elsewhere` for a variable `body` takes from another device than `device`, its call's (XLA compiles
+    it for that one device; an unknown device is left to the first call)."""
+    if not device:
+        return
+    step = tf.DeviceSpec.from_string(device)
+    for inner in getattr(body, "inputs", ()):
+        if inner.name not in passed:
+            continue
+        variable, held = passed[inner.name]
+        spec = tf.DeviceSpec.from_string(held)
+        keys = ("job", "replica", "task", "device_type", "device_index")
+        if any(
+            getattr(spec, k) is not None and getattr(step, k) is not None and getattr(spec, k) != getattr(step, k)
+            for k in keys
+        ):
+            readers = inner.consumers() or [inner.op]
+            raise Elsewhere(variable, held, device, readers[0], function)
 
 
 def _called(op, graph, kernels):
