@@ -89,6 +89,17 @@ def test_on_2_replicas_an_update_reading_a_variable_of_one_device_is_refused_bef
             np.testing.assert_array_equal(copy, theirs.numpy())
 
 
+def test_the_line_reading_a_variable_of_another_device_is_named_as_its_file_is():
+    """The read site is the last frame of the reader's own code, its file's name untouched ("made" in it stays)."""
+    devices = "located in device /job:localhost/device:CPU:0 from device /job:localhost/device:CPU:1"
+    frames = 'The op is created at: \nFile "/u/handmade_opt.py", line 5, in update_step\n'
+    text = f"Trying to access resource V (read in XLA function f) {devices}\n{frames}"
+    assert xla_kernels.elsewhere(text).startswith(
+        "variable V (read at handmade_opt.py:5) is on CPU:0, the step on CPU:1"
+    )
+    assert xla_kernels.elsewhere(text.replace(frames, "")).startswith("variable V (read in XLA function f) is on CPU:0")
+
+
 def traced(fn, *args):
     """A concrete function calling `fn` under XLA, as a step calls its compiled stages."""
     compiled = tf.function(fn, jit_compile=True, autograph=False)

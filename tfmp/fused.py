@@ -105,7 +105,7 @@ def sums_rows_itself(optimizer):
     apart as it would take their sum: plain SGD's scatter (Keras' own update, model.fit's
     bits), where the optimizer neither clips (its norm would count the rows apart) nor
     accumulates gradients of its own."""
-    if not _sgd_update(optimizer) or keras_densifies(optimizer):
+    if not _sgd_update(optimizer) or optimizer.momentum != 0:
         return False
     own = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
     return not any(getattr(optimizer, name, None) for name in own)

@@ -35,14 +35,20 @@ class Unsupported(tf.errors.UnimplementedError):
     input of the function (a placeholder in its graph) is XLA's `_Arg`, with its dtype."""
 
     def __init__(self, op, function, device_type):
-        frames = "".join(f'File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in op.traceback)
         name, dtype = ("_Arg", op.get_attr("dtype")) if op.type in _INPUTS else (op.type, None)
         taken = f" Requested Attributes: T=DT_{dtype.name.upper()}" if dtype is not None else ""
         message = (
             f"Detected unsupported operations when trying to compile graph {function} on {device_type}: {name} "
-            f"(no {device_type} kernel for its types{taken}) {{{{node {op.name}}}}}\nThe op is created at: \n{frames}"
+            f"(no {device_type} kernel for its types{taken}) {{{{node {op.name}}}}}\n{_created_at(op)}"
         )
         super().__init__(None, None, message)
+
+
+def _created_at(op):
+    """Where `op` was made, in the words of XLA's errors (`own_frame` reads them)."""
+    return "The op is created at: \n" + "".join(
+        f'File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in op.traceback
+    )
 
 
 # Frames of TensorFlow's and Keras' machinery, not of a layer's own code.
@@ -52,12 +58,17 @@ MACHINERY = re.compile(
 )
 
 
-def made_at(text):
-    """ " (made at FILE:LINE)": the last frame, of those XLA's error says made the op, that is
-    a layer's own code (a Keras layer's file, or the user's), not the machinery; else ""."""
+def own_frame(text):
+    """ "FILE:LINE": the last frame, of those XLA's error says made the op, that is a layer's own
+    code (a Keras layer's file, or the user's), not the machinery; else ""."""
     frames = re.findall(r'File "([^"]+)", line (\d+)', text.partition("The op is created at")[2])
     own = [(path, line) for path, line in frames if not MACHINERY.search(path) and not path.startswith("<")]
-    return f" (made at {os.path.basename(own[-1][0])}:{own[-1][1]})" if own else ""
+    return f"{os.path.basename(own[-1][0])}:{own[-1][1]}" if own else ""
+
+
+def made_at(text):
+    """ " (made at FILE:LINE)" of `own_frame`, else ""."""
+    return f" (made at {own_frame(text)})" if own_frame(text) else ""
 
 
 def elsewhere(text):
@@ -74,7 +85,8 @@ def elsewhere(text):
     fix = "make it with no tf.device of its own"
     if held.startswith("CPU") and step.startswith("GPU"):
         fix += ", and int64 or float32 if it is int32 (TensorFlow keeps int32 variables on the host)"
-    at = f"made at {where}" if how == "defined @" else made_at(text)[2:-1].replace("made", "read") or f"read in {where}"
+    read = own_frame(text)
+    at = f"made at {where}" if how == "defined @" else (f"read at {read}" if read else f"read in {where}")
     return f"variable {name} ({at}) is on {held}, the step on {step}, and XLA reads only the step's: {fix}"
 
 
@@ -125,10 +137,9 @@ class Elsewhere(tf.errors.InvalidArgumentError):
     the step runs."""
 
     def __init__(self, variable, held, device, reader, function):
-        frames = "".join(f'File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in reader.traceback)
         message = (
             f"Trying to access resource {variable} (read in XLA function {function}) located in device {held} from "
-            f"device {device}\nThe op is created at: \n{frames}"
+            f"device {device}\n{_created_at(reader)}"
         )
         super().__init__(None, None, message)
 
