@@ -78,8 +78,20 @@ def test_build_for_checks_the_structure_against_the_model():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
     wrong = tf.data.Dataset.from_tensor_slices((np.ones((4, 5), "float32"), np.ones((4, 1), "float32"))).batch(2)
-    with pytest.raises(UsageError, match=r"input .* takes shape \(None, 3\) but the data gives \(None, 5\)"):
+    # The input by its place, not by the name Keras made up for it (keras_tensor_N).
+    with pytest.raises(UsageError, match=r"^the model's input takes shape \(None, 3\) but the data gives \(None, 5\)$"):
         inputs.build_for(model, ONE(), wrong.element_spec)
+    pair = [keras.Input((3,)), keras.Input((2,))]
+    two = keras.Model(pair, keras.layers.Dense(1)(keras.layers.Concatenate()(pair)))
+    two.compile("sgd", "mse")
+    with pytest.raises(UsageError, match=r"^input 1 takes shape \(None, 2\) but the data gives \(None, 5\)$"):
+        inputs.build_for(
+            two,
+            ONE(),
+            tf.data.Dataset.from_tensor_slices(((np.ones((4, 3)), np.ones((4, 5))), np.ones(4))).batch(2).element_spec,
+        )
+    with pytest.raises(UsageError, match=r"^the model takes 2 input\(s\) but the data's elements hold 1"):
+        inputs.build_for(two, ONE(), wrong.element_spec)
     unbatched = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), np.ones((4, 1), "float32")))
     with pytest.raises(UsageError, match=r"gives \(3,\); its elements are single examples: batch the dataset"):
         inputs.build_for(model, ONE(), unbatched.element_spec)

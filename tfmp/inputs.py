@@ -315,13 +315,26 @@ def class_weights(class_weight, element_spec):
     return weigh
 
 
-def _check_input(spec, layer_input):
-    """Refuses data (`spec`, a batch's) of a dtype or shape that the model's input `layer_input` cannot take, as
-    Keras' own call would, before anything is traced."""
+def _named(layer_input):
+    """Whether the user named the model's input: Keras names an unnamed `keras.Input` keras_tensor_N, a name the
+    user never wrote and an error should not show."""
+    return not layer_input.name.startswith("keras_tensor")
+
+
+def _called(inputs):
+    """The words for each of the model's `inputs`: its name where the user gave one, else its place."""
+    if len(inputs) == 1 and not _named(inputs[0]):
+        return ["the model's input"]
+    return [f"input {i.name!r}" if _named(i) else f"input {n}" for n, i in enumerate(inputs)]
+
+
+def _check_input(spec, layer_input, called):
+    """Refuses data (`spec`, a batch's) of a dtype or shape that the model's input `layer_input` (`called` so in
+    words) cannot take, as Keras' own call would, before anything is traced."""
     if not isinstance(spec, tf.TypeSpec) or not hasattr(spec, "shape"):
         return  # Nested further than the model's inputs: Keras' own build checks it.
     if (spec.dtype == tf.string) != (keras.backend.standardize_dtype(layer_input.dtype) == "string"):
-        raise UsageError(f"input {layer_input.name!r} takes {layer_input.dtype} but the data gives {spec.dtype.name}")
+        raise UsageError(f"{called} takes {layer_input.dtype} but the data gives {spec.dtype.name}")
     example, shape = tf.TensorShape(layer_input.shape[1:]), spec.shape
     # As a Keras model's call adjusts it: a last axis of 1 added or dropped where that makes the input's rank.
     if shape.rank == example.rank + 2 and shape[-1] == 1:
@@ -332,7 +345,7 @@ def _check_input(spec, layer_input):
         # A batch's first axis is unknown or the batch size; an unbatched dataset's, an example's.
         unbatched = spec.shape.rank and spec.shape[0] is not None and spec.shape.is_compatible_with(example)
         raise UsageError(
-            f"input {layer_input.name!r} takes shape {tuple(layer_input.shape)} but the data gives "
+            f"{called} takes shape {tuple(layer_input.shape)} but the data gives "
             f"{tuple(spec.shape)}"
             + ("; its elements are single examples: batch the dataset (`.batch(N)`)" if unbatched else "")
         )
@@ -354,12 +367,13 @@ def build_for(model, strategy, element_spec):
                 logging.warning("the data's %s are none of the model's inputs %s: left unread", unread, names)
             given = [x[i.name] for i in inputs]
         elif len(given) != len(inputs):
+            names = f" ({', '.join(i.name for i in inputs)})" if all(map(_named, inputs)) else ""
             raise UsageError(
-                f"the model takes {len(inputs)} input(s) ({', '.join(i.name for i in inputs)}) but the data's "
+                f"the model takes {len(inputs)} input(s){names} but the data's "
                 f"elements hold {len(given)}: give (x, y) or (x, y, sample_weight) with x matching the inputs"
             )
-        for spec, layer_input in zip(given, inputs, strict=True):
-            _check_input(spec, layer_input)
+        for spec, layer_input, called in zip(given, inputs, _called(inputs), strict=True):
+            _check_input(spec, layer_input, called)
     if y is None and needs_targets(model):
         raise UsageError("the data gives no targets, but the model was compiled with a loss: give (x, y) elements")
     with strategy.scope():
