@@ -48,73 +48,88 @@ class Input:
         self.period = steps  # Batches an epoch takes from the stream.
         steps_arg = "steps_per_epoch" if name == "data" else "validation_steps"
         if self.fn is not None:
-            if not callable(data):
-                raise UsageError(
-                    f"{name} must be a tf.data.Dataset, a callable input_context -> dataset, a "
-                    f"keras.utils.PyDataset or a generator, got {type(data).__name__} (arrays go as "
-                    "tfmp.fit(model, x, y) or (x, y) as data)"
-                )
-            if not steps:
-                raise UsageError(f"{name} as a callable needs {steps_arg}")
-            probe = data(tf.distribute.InputContext(1, 0, 1))
-            if not isinstance(probe, tf.data.Dataset):
-                raise UsageError(f"{name}(input_context) must return a tf.data.Dataset, got {type(probe).__name__}")
-            if class_weight is not None:
-                self._weigh = class_weights(class_weight, probe.element_spec)
-                probe = probe.map(self._weigh)
-            self.element_spec = probe.element_spec
+            self._take_callable(data, class_weight, steps_arg)
         else:
-            if class_weight is not None:
-                self._maps.append(class_weights(class_weight, data.element_spec))
-                data = self.data = data.map(self._maps[-1])
-            cardinality = int(data.cardinality())
-            if training and grad_accum_steps > 1 and cardinality == tf.data.UNKNOWN_CARDINALITY:
-                # Its end may come within an update; the batches read then make none. One worker only (several
-                # may each read all and keep a share), and not on a TPU, whose input may run on another host.
-                if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
-                    self._reads = tf_compat.host_variable(tf.constant(0, tf.int64))
-                    self._count = _counted(self._reads, data.element_spec)
-                    self._maps.append(self._count)
-                    data = self.data = data.map(self._maps[-1])
-            self.element_spec = data.element_spec
-            if cardinality == 0:
-                raise UsageError(f"{name} is empty")
-            if cardinality == tf.data.INFINITE_CARDINALITY and not steps:
-                raise UsageError(f"{name} repeats without end: give {steps_arg}")
-            if cardinality > 0 and not steps:
-                self.period = cardinality
-                self.steps = cardinality // grad_accum_steps * grad_accum_steps
-                if self.steps == 0:
-                    raise UsageError(
-                        f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}; "
-                        f"the largest grad_accum_steps it fills is {cardinality} (or repeat the data and give "
-                        f"{steps_arg})"
-                    )
-                if cardinality % grad_accum_steps:
-                    logging.warning(
-                        "%s holds %d batches and grad_accum_steps=%d makes an update of every %d: each epoch makes "
-                        "%d updates and leaves out its last %d batch(es), drawn and not trained on (a dataset that "
-                        "does not shuffle never trains on them). Give %s a number of batches that %d divides (arrays: "
-                        "another batch_size), or repeat it and give %s",
-                        name,
-                        cardinality,
-                        grad_accum_steps,
-                        grad_accum_steps,
-                        self.steps // grad_accum_steps,
-                        cardinality % grad_accum_steps,
-                        name,
-                        grad_accum_steps,
-                        steps_arg,
-                    )
-            batch = batch_dim(self.element_spec)
-            if batch is not None:
-                distribute.check_divides(batch, self.replicas, f"{name}'s global batch size")
-            if distribute.strategy_name(strategy) == "tpu" and batch is None:
-                raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
+            self._take_dataset(data, class_weight, training, steps_arg)
         # Training epochs of unknown length would end at different steps on different
         # workers; one evaluation pass is fine (the distributed iterator agrees on its end).
         if training and self.period is None and distribute.num_workers(strategy) > 1:
             raise UsageError(f"{name} has unknown length; several workers need steps_per_epoch to stay in step")
+
+    def _take_callable(self, data, class_weight, steps_arg):
+        """A callable input_context -> dataset: checked, and called once for its element spec."""
+        name, steps = self.name, self.steps
+        if not callable(data):
+            raise UsageError(
+                f"{name} must be a tf.data.Dataset, a callable input_context -> dataset, a "
+                f"keras.utils.PyDataset or a generator, got {type(data).__name__} (arrays go as "
+                "tfmp.fit(model, x, y) or (x, y) as data)"
+            )
+        if not steps:
+            raise UsageError(f"{name} as a callable needs {steps_arg}")
+        probe = data(tf.distribute.InputContext(1, 0, 1))
+        if not isinstance(probe, tf.data.Dataset):
+            raise UsageError(f"{name}(input_context) must return a tf.data.Dataset, got {type(probe).__name__}")
+        if class_weight is not None:
+            self._weigh = class_weights(class_weight, probe.element_spec)
+            probe = probe.map(self._weigh)
+        self.element_spec = probe.element_spec
+
+    def _take_dataset(self, data, class_weight, training, steps_arg):
+        """A dataset: our maps of it (class weights, its reads counted), an epoch's length, its batch checked."""
+        name, strategy, steps, grad_accum_steps = self.name, self.strategy, self.steps, self._grad_accum_steps
+        if class_weight is not None:
+            self._maps.append(class_weights(class_weight, data.element_spec))
+            data = self.data = data.map(self._maps[-1])
+        cardinality = int(data.cardinality())
+        if training and grad_accum_steps > 1 and cardinality == tf.data.UNKNOWN_CARDINALITY:
+            # Its end may come within an update; the batches read then make none. One worker only (several
+            # may each read all and keep a share), and not on a TPU, whose input may run on another host.
+            if distribute.num_workers(strategy) == 1 and distribute.strategy_name(strategy) != "tpu":
+                self._reads = tf_compat.host_variable(tf.constant(0, tf.int64))
+                self._count = _counted(self._reads, data.element_spec)
+                self._maps.append(self._count)
+                data = self.data = data.map(self._maps[-1])
+        self.element_spec = data.element_spec
+        if cardinality == 0:
+            raise UsageError(f"{name} is empty")
+        if cardinality == tf.data.INFINITE_CARDINALITY and not steps:
+            raise UsageError(f"{name} repeats without end: give {steps_arg}")
+        if cardinality > 0 and not steps:
+            self._whole_epochs(cardinality, steps_arg)
+        batch = batch_dim(self.element_spec)
+        if batch is not None:
+            distribute.check_divides(batch, self.replicas, f"{name}'s global batch size")
+        if distribute.strategy_name(strategy) == "tpu" and batch is None:
+            raise UsageError(f"TPUs need static shapes: batch {name} with drop_remainder=True")
+
+    def _whole_epochs(self, cardinality, steps_arg):
+        """An epoch of the dataset's `cardinality` batches: its updates, whole ones of grad_accum_steps each."""
+        name, grad_accum_steps = self.name, self._grad_accum_steps
+        self.period = cardinality
+        self.steps = cardinality // grad_accum_steps * grad_accum_steps
+        if self.steps == 0:
+            raise UsageError(
+                f"{name} holds {cardinality} batches, fewer than grad_accum_steps={grad_accum_steps}; "
+                f"the largest grad_accum_steps it fills is {cardinality} (or repeat the data and give "
+                f"{steps_arg})"
+            )
+        if cardinality % grad_accum_steps:
+            logging.warning(
+                "%s holds %d batches and grad_accum_steps=%d makes an update of every %d: each epoch makes "
+                "%d updates and leaves out its last %d batch(es), drawn and not trained on (a dataset that "
+                "does not shuffle never trains on them). Give %s a number of batches that %d divides (arrays: "
+                "another batch_size), or repeat it and give %s",
+                name,
+                cardinality,
+                grad_accum_steps,
+                grad_accum_steps,
+                self.steps // grad_accum_steps,
+                cardinality % grad_accum_steps,
+                name,
+                grad_accum_steps,
+                steps_arg,
+            )
 
     @property
     def global_batch(self):
