@@ -196,3 +196,35 @@ def test_an_optimizers_own_clipping_sees_the_all_reduced_gradients(mirrored):
         keras_two.fit(regression_data(), epochs=2, verbose=0)
         gap = max(float(np.abs(a - b).max()) for a, b in zip(weights(keras_two), weights(one), strict=True))
         assert gap > 1e-3, (options, gap)  # The clip acts: per replica it clips other gradients.
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_second_fit_trains_with_what_changed_since_the_first(jit_compile, deterministic_gpu):
+    """tfmp.fit keeps its traced step from one fit of a model to the next; a learning rate set between them, and
+    a layer frozen with the model compiled again for another optimizer, are what the next fit trains with, as in
+    model.fit."""
+
+    def fits(fit):
+        model, seen = regression(), []
+        fit(model)
+        model.optimizer.learning_rate = 0.0
+        seen.append(weights(model))
+        fit(model)
+        seen.append(weights(model))
+        model.layers[0].trainable = False
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", jit_compile=jit_compile)
+        fit(model)
+        seen.append(weights(model))
+        return seen
+
+    def keras_fit(model):
+        model.jit_compile = jit_compile
+        model.fit(regression_data(), verbose=0)
+
+    ours = fits(lambda model: tfmp.fit(model, regression_data(), verbose=0, jit_compile=jit_compile))
+    theirs = fits(keras_fit)
+    assert_same(ours[1], ours[0], atol=0)  # A learning rate of 0 moves nothing.
+    assert_same(ours[2][:2], ours[1][:2], atol=0)  # The frozen layer stays; the head trains.
+    assert not np.array_equal(ours[2][2], ours[1][2])
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same(a, b, atol=1e-6 if jit_compile else 0)
