@@ -68,7 +68,8 @@ def own_frame(text):
 
 def made_at(text):
     """ " (made at FILE:LINE)" of `own_frame`, else ""."""
-    return f" (made at {own_frame(text)})" if own_frame(text) else ""
+    frame = own_frame(text)
+    return f" (made at {frame})" if frame else ""
 
 
 def elsewhere(text):
@@ -161,6 +162,9 @@ def _passed(op, body, held):
     return {inner.name: held[outer.name] for outer, inner in zip(given, inputs, strict=True) if outer.name in held}
 
 
+_DEVICE_FIELDS = ("job", "replica", "task", "device_type", "device_index")
+
+
 def _check_devices(device, passed, body, function):
     """Raises `Elsewhere` for a variable `body` takes from another device than `device`, its call's (XLA compiles
     it for that one device; an unknown device is left to the first call)."""
@@ -172,10 +176,9 @@ def _check_devices(device, passed, body, function):
             continue
         variable, held = passed[inner.name]
         spec = tf.DeviceSpec.from_string(held)
-        keys = ("job", "replica", "task", "device_type", "device_index")
         if any(
             getattr(spec, k) is not None and getattr(step, k) is not None and getattr(spec, k) != getattr(step, k)
-            for k in keys
+            for k in _DEVICE_FIELDS
         ):
             readers = inner.consumers() or [inner.op]
             raise Elsewhere(variable, held, device, readers[0], function)
