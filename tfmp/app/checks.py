@@ -1,7 +1,9 @@
 """A training run's settings (`tfmp.app.config.Config`), checked: what is wrong whatever the
-hardware, before anything is written, and the flags a run leaves unread."""
+hardware, before anything is written, and the flags a run leaves unread; then, once its data is
+known, its batch against an epoch and against this host's memory."""
 
 import math
+import os
 import re
 
 from tfmp import choices
@@ -96,3 +98,42 @@ def without_effect(config, policy, strategy_name):
         return (tuple(value) if isinstance(value, list) else value) != getattr(default, name)
 
     return [f"--{name} has no effect: {why}" for name, why in unread.items() if why and given(name)]
+
+
+def no_full_update(config, size, batches, plan):
+    """The refusal for an epoch (`size` examples, None if unknown, in `batches` global
+    batches) shorter than one update: the flag to change and the largest value that fits."""
+    epoch = f"an epoch of {size} examples" if size else "an epoch"
+    update = f"{plan.effective_batch} examples (--batch_size={config.batch_size}"
+    if plan.grad_accum_steps > 1 and batches >= 1:
+        return (
+            f"--grad_accum_steps={plan.grad_accum_steps}: {epoch} holds no full update of {update} x "
+            f"--grad_accum_steps={plan.grad_accum_steps}); the largest --grad_accum_steps that fits is {batches} "
+            "(or set --steps_per_epoch to repeat the data)"
+        )
+    if size and size >= plan.replicas:
+        largest = f"the largest --batch_size that fits is {size // plan.replicas * plan.replicas}"
+        if plan.grad_accum_steps > 1:
+            largest += " with --grad_accum_steps=1"
+    else:
+        largest = "lower --batch_size"
+    return (
+        f"--batch_size={config.batch_size}: {epoch} holds no full update of {update}); {largest} "
+        "(or set --steps_per_epoch to repeat the data)"
+    )
+
+
+def check_batch_memory(plan, source, config):
+    """Refuses a batch whose input alone would not fit in this host's memory."""
+    per_example = 4 * math.prod(source.image_shape) if source.kind == "image" else 8 * config.sequence_length
+    need = plan.per_worker * per_example
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > have / 2:
+        raise UsageError(
+            f"--batch_size={config.batch_size}: one batch of input alone takes {need / 2**30:,.1f} GiB, more than "
+            f"half of this host's {have / 2**30:,.1f} GiB; lower --batch_size (use --grad_accum_steps for a larger "
+            "effective batch)"
+        )

@@ -30,7 +30,7 @@ from tfmp import (
     seed,
 )
 from tfmp.app import autotune, export, models, report
-from tfmp.app.checks import validate, without_effect
+from tfmp.app.checks import check_batch_memory, no_full_update, validate, without_effect
 from tfmp.app.config import JIT_COMPILE, RESUME, Config  # noqa: F401 - Config, RESUME: re-exported.
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.heads import audit
@@ -43,47 +43,8 @@ def _steps_per_epoch(config, ds, plan):
     batches = size // plan.global_batch if size else int(ds.make_train().cardinality())  # Full global batches.
     steps = batches // plan.grad_accum_steps
     if steps < 1:
-        raise UsageError(_no_full_update(config, size, batches, plan))
+        raise UsageError(no_full_update(config, size, batches, plan))
     return steps
-
-
-def _no_full_update(config, size, batches, plan):
-    """The refusal for an epoch (`size` examples, None if unknown, in `batches` global
-    batches) shorter than one update: the flag to change and the largest value that fits."""
-    epoch = f"an epoch of {size} examples" if size else "an epoch"
-    update = f"{plan.effective_batch} examples (--batch_size={config.batch_size}"
-    if plan.grad_accum_steps > 1 and batches >= 1:
-        return (
-            f"--grad_accum_steps={plan.grad_accum_steps}: {epoch} holds no full update of {update} x "
-            f"--grad_accum_steps={plan.grad_accum_steps}); the largest --grad_accum_steps that fits is {batches} "
-            "(or set --steps_per_epoch to repeat the data)"
-        )
-    if size and size >= plan.replicas:
-        largest = f"the largest --batch_size that fits is {size // plan.replicas * plan.replicas}"
-        if plan.grad_accum_steps > 1:
-            largest += " with --grad_accum_steps=1"
-    else:
-        largest = "lower --batch_size"
-    return (
-        f"--batch_size={config.batch_size}: {epoch} holds no full update of {update}); {largest} "
-        "(or set --steps_per_epoch to repeat the data)"
-    )
-
-
-def _check_batch_memory(plan, source, config):
-    """Refuses a batch whose input alone would not fit in this host's memory."""
-    per_example = 4 * int(np.prod(source.image_shape)) if source.kind == "image" else 8 * config.sequence_length
-    need = plan.per_worker * per_example
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return
-    if need > have / 2:
-        raise UsageError(
-            f"--batch_size={config.batch_size}: one batch of input alone takes {need / 2**30:,.1f} GiB, more than "
-            f"half of this host's {have / 2**30:,.1f} GiB; lower --batch_size (use --grad_accum_steps for a larger "
-            "effective batch)"
-        )
 
 
 def _diagnose(config, build_model, strategy, ds, out):
@@ -140,7 +101,7 @@ class _Setup:
         self.dataset, self.ds = _load_data(config, self.entry, plan, strategy)
         self.steps = _steps_per_epoch(config, self.ds, plan)
         self.batches = config.epochs * self.steps * plan.grad_accum_steps  # Every epoch's, every update's.
-        _check_batch_memory(plan, self.ds.source, config)
+        check_batch_memory(plan, self.ds.source, config)
         self.checkpoint_dir = os.path.join(config.model_dir, "checkpoints") if config.checkpoint_every else None
         latest = checkpoint.latest(self.checkpoint_dir)
         self.start = checkpoint.step_of(latest)
