@@ -52,6 +52,14 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_float("learning_rate", DEFAULT.learning_rate, "Base learning rate (for --base_batch_size).")
 flags.DEFINE_enum("lr_scaling", DEFAULT.lr_scaling, list(choices.LR_SCALING), "Scale the LR with the batch size.")
+flags.DEFINE_enum(
+    "lr_schedule",
+    DEFAULT.lr_schedule,
+    list(choices.LR_SCHEDULES),
+    "cosine: the learning rate decays to 0 over the run's updates (--epochs x the updates of an epoch), so that "
+    "the weights settle and BatchNormalization's moving statistics, which the test set is scored with, catch up "
+    "with them; more --epochs on a finished run go on along the longer schedule. constant: no decay.",
+)
 flags.DEFINE_integer(
     "base_batch_size", DEFAULT.base_batch_size, "Batch size the base LR is tuned for (default: the batch size)."
 )

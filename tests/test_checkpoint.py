@@ -77,6 +77,9 @@ def test_settings_that_change_an_exact_resume_are_refused(tmp_path):
     with pytest.raises(UsageError, match=r"other settings \(seed 1 -> 2\).*--resume=force"):
         run_directory.check_settings(str(tmp_path), changed, path)
     run_directory.check_settings(str(tmp_path), changed, path, force=True)
+    # Saved without a schedule (an older tfmp's run.json): a constant rate, which no force resumes with one.
+    with pytest.raises(UsageError, match="--lr_schedule=constant, and this run's is --lr_schedule=cosine"):
+        run_directory.check_settings(str(tmp_path), {**settings, "lr_schedule": "cosine"}, path, force=True)
     with pytest.raises(UsageError, match="trained 2 epochs already, more than --epochs=1"):
         run_directory.check_settings(str(tmp_path), {**settings, "epochs": 1}, path)
 

@@ -138,7 +138,7 @@ def test_full_disk_during_a_save(tmp_path, monkeypatch):
     monkeypatch.setattr(tf.train.CheckpointManager, "save", original)
     keras.backend.clear_session(free_memory=False)
     model = models.MODELS["cnn"].build(10, input_shape=(28, 28, 1))
-    optimizer = keras.optimizers.Adam()
+    optimizer = keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(1e-3, 6))  # The run's own.
     assert checkpoint.Checkpointer(str(tmp_path / "checkpoints"), model, optimizer).restore() == 2
 
 

@@ -64,6 +64,13 @@ def trained(tmp_path_factory):
     return directory
 
 
+def _as_an_older_run(d):
+    """The run.json of a tfmp before --lr_schedule, whose rate was constant."""
+    settings = json.loads((d / "run.json").read_text())
+    del settings["lr_schedule"]
+    (d / "run.json").write_text(json.dumps(settings))
+
+
 def _garbage_checkpoint(d):
     (d / "checkpoints" / "checkpoint").write_bytes(bytes(range(256)) * 2)
 
@@ -74,6 +81,7 @@ CASES = [
     ("unknown precision", ["--precision=float4"], "--precision=float4", None),
     ("unknown strategy", ["--strategy=gpus"], "--strategy=gpus", None),
     ("unknown lr scaling", ["--lr_scaling=cubic"], "--lr_scaling=cubic", None),
+    ("unknown lr schedule", ["--lr_schedule=linear"], "--lr_schedule=linear", None),
     ("unknown resume", ["--resume=maybe"], "maybe", None),
     ("unknown bf16 rounding", ["--precision=bfloat16", "--bf16_rounding=up"], "--bf16_rounding=up", None),
     ("unknown flag", ["--no_such_flag=1"], "no_such_flag", None),
@@ -115,6 +123,8 @@ CASES = [
     ("checkpoint state garbage", [], "is unreadable", _garbage_checkpoint),
     ("settings changed", ["--batch_size=32"], "batch_size 16 -> 32", "copy"),
     ("seed and precision changed", ["--seed=3", "--precision=mixed_bfloat16"], "seed 0 -> 3", "copy"),
+    ("schedule changed", ["--lr_schedule=constant", "--resume=force"], "resume with --lr_schedule=cosine", "copy"),
+    ("an older run's constant rate", [], "resume with --lr_schedule=constant", _as_an_older_run),
     ("fewer epochs than done", ["--epochs=1"], "has trained 2 epochs already", "copy"),
     ("precision a checkpoint cannot carry", ["--precision=float8", "--resume=force"], "--precision=float32,", "copy"),
     ("forced into another model", ["--model=resnet", "--resume=force"], "does not load into this model", "copy"),

@@ -6,3 +6,4 @@ AUTOTUNE = "autotune"  # Handled by tfmp.app.autotune: it needs the model and da
 ROUNDINGS = ("kahan", "stochastic", "nearest")  # How bfloat16 weights take a float32 update (tfmp.bf16).
 STRATEGIES = ("auto", "default", "one_device", "mirrored", "multi_worker", "tpu")  # tfmp.distribute's.
 LR_SCALING = ("none", "linear", "sqrt")  # How the learning rate follows the batch size.
+LR_SCHEDULES = ("cosine", "constant")  # How the learning rate follows the step (tfmp.app.training).

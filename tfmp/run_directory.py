@@ -108,11 +108,12 @@ _STATE = {
 
 def check_settings(run_dir, settings, latest_path, force=False):
     """Refuses to resume the checkpoint `latest_path` with settings that would change what
-    an exact resume means, and `epochs` fewer than the checkpoint already trained.
+    an exact resume means, and `epochs` fewer than the checkpoint already trained; and, even
+    forced, another precision form or learning-rate schedule, whose state it cannot restore.
 
     Args:
         run_dir: the run's directory, holding run.json from the run that saved.
-        settings: this run's settings (a dict with the keys of `EXACT` and `epochs`).
+        settings: this run's settings (a dict with the keys of `EXACT`, `epochs` and `lr_schedule`).
         latest_path: the checkpoint to resume, or None (then nothing is checked).
         force: resume even where the `EXACT` settings differ (`--resume=force`).
 
@@ -137,6 +138,14 @@ def check_settings(run_dir, settings, latest_path, force=False):
             f"--model_dir={run_dir} holds a checkpoint of a run in {saved['precision']} ({forms[0]}), and this run "
             f"trains in {settings['precision']} ({forms[1]}): an optimizer's state does not carry over between these "
             f"precisions; resume with --precision={saved['precision']}, or use a new --model_dir"
+        )
+    # A constant rate is one of the optimizer's variables, a schedule none: neither state loads into the other.
+    schedules = [saved.get("lr_schedule", "constant"), settings.get("lr_schedule", "constant")]  # Older: constant.
+    if schedules[0] != schedules[1]:
+        raise UsageError(
+            f"--model_dir={run_dir} holds a checkpoint of a run with --lr_schedule={schedules[0]}, and this run's is "
+            f"--lr_schedule={schedules[1]}: an optimizer's state does not carry over between a constant rate and a "
+            f"schedule; resume with --lr_schedule={schedules[0]}, or use a new --model_dir"
         )
     changed = [f"{k} {saved[k]} -> {settings[k]}" for k in EXACT if k in saved and saved[k] != settings[k]]
     if changed and not force:

@@ -32,6 +32,9 @@ def validate(config):
     if config.lr_scaling not in choices.LR_SCALING:
         names = ", ".join(choices.LR_SCALING)
         raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {names}")
+    if config.lr_schedule not in choices.LR_SCHEDULES:
+        names = ", ".join(choices.LR_SCHEDULES)
+        raise UsageError(f"unknown --lr_schedule={config.lr_schedule!r}; choose one of {names}")
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
     if config.bf16_rounding not in choices.ROUNDINGS:

@@ -24,6 +24,7 @@ class Config:
     steps_per_epoch: int | None = None
     learning_rate: float = 1e-3
     lr_scaling: str = "none"
+    lr_schedule: str = "cosine"  # cosine: the learning rate decays to 0 over the run's updates; constant.
     base_batch_size: int | None = None
     seed: int = 0
     deterministic: bool = False

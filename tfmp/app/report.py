@@ -21,6 +21,7 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step, 
         *decision.reason.splitlines()[1:],  # The trial table of autotune, if any.
         f"strategy    {distribute.strategy_name(strategy)} ({_count(strategy.num_replicas_in_sync, 'replica')}), "
         f"{_count(config.epochs, 'epoch')} x {_count(steps, 'update')}",
+        f"schedule    {_schedule(config, steps)}",
         f"XLA         {'on' if xla[0] else 'off'} ({xla[1]})",
         f"memory      {bf16.bytes_per_parameter(model, model.optimizer):.1f} bytes a parameter (weights and "
         "optimizer state)"
@@ -35,6 +36,12 @@ def summary(config, decision, strategy, plan, source, model, steps, start_step, 
     if decision.warning:
         lines.insert(-1, f"WARNING     {decision.warning}")
     return "\n".join(lines)
+
+
+def _schedule(config, steps):
+    if config.lr_schedule == "constant":
+        return "constant learning rate"
+    return f"cosine: the learning rate decays to 0 over {_count(config.epochs * steps, 'update')}"
 
 
 def _count(n, noun):
