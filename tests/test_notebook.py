@@ -24,10 +24,13 @@ def test_notebook_code_runs_on_cpu(tmp_path):
     assert source.count('precision="auto",') == 2
     source = source.replace('precision="auto",', 'precision="float32",')
     # 48 steps of each model, not three epochs and one: this test is that the cells run; the
-    # models' accuracy on these data is train.py's default run and tests/test_accuracy.py's.
+    # models' accuracy on these data is train.py's default run and tests/test_accuracy.py's. At a
+    # constant rate: the default cosine, squeezed into 48 steps, halves the mean rate, and the LSTM
+    # had not left chance by then (0.513 on an AMD EPYC Zen 3; its whole epoch learns either way).
     assert source.count("epochs=3,") == 1 and source.count("steps_per_execution=8,") == 2
     source = source.replace("epochs=3,", "epochs=1,")
-    source = source.replace("steps_per_execution=8,", "steps_per_execution=8,\n        steps_per_epoch=48,")
+    shorter = 'steps_per_execution=8,\n        steps_per_epoch=48,\n        lr_schedule="constant",'
+    source = source.replace("steps_per_execution=8,", shorter)
     script.write_text(source)
     env = {**os.environ, "TFMP_SKIP_INSTALL": "1", "TFMP_RUNS": str(tmp_path / "runs"), "TF_CPP_MIN_LOG_LEVEL": "2"}
     result = subprocess.run(
