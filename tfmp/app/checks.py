@@ -19,31 +19,27 @@ def _positive_finite(name, value):
         raise UsageError(f"--{name} must be a positive finite number, got {value}")
 
 
+# The flags that name one of a few choices, and those choices.
+_CHOICES = {
+    "model": models.MODELS,
+    "precision": (*choices.POLICIES, choices.AUTOTUNE),
+    "strategy": choices.STRATEGIES,
+    "lr_scaling": choices.LR_SCALING,
+    "lr_schedule": choices.LR_SCHEDULES,
+    "bf16_rounding": choices.ROUNDINGS,
+    "jit_compile": JIT_COMPILE,
+    "resume": RESUME,
+}
+
+
 def validate(config):
     """Raises UsageError for settings that are wrong whatever the hardware: names, ranges,
     nan and inf, and paths that cannot be written (before anything is written)."""
-    if config.model not in models.MODELS:
-        raise UsageError(f"unknown --model={config.model!r}; choose one of {', '.join(models.MODELS)}")
-    if config.precision not in (*choices.POLICIES, choices.AUTOTUNE):
-        names = ", ".join((*choices.POLICIES, choices.AUTOTUNE))
-        raise UsageError(f"unknown --precision={config.precision!r}; choose one of {names}")
-    if config.strategy not in choices.STRATEGIES:
-        raise UsageError(f"unknown --strategy={config.strategy!r}; choose one of {', '.join(choices.STRATEGIES)}")
-    if config.lr_scaling not in choices.LR_SCALING:
-        names = ", ".join(choices.LR_SCALING)
-        raise UsageError(f"unknown --lr_scaling={config.lr_scaling!r}; choose one of {names}")
-    if config.lr_schedule not in choices.LR_SCHEDULES:
-        names = ", ".join(choices.LR_SCHEDULES)
-        raise UsageError(f"unknown --lr_schedule={config.lr_schedule!r}; choose one of {names}")
+    for name, names in _CHOICES.items():
+        if getattr(config, name) not in names:
+            raise UsageError(f"unknown --{name}={getattr(config, name)!r}; choose one of {', '.join(names)}")
     if config.trial_seconds is not None:
         _positive_finite("trial_seconds", config.trial_seconds)
-    if config.bf16_rounding not in choices.ROUNDINGS:
-        names = ", ".join(choices.ROUNDINGS)
-        raise UsageError(f"unknown --bf16_rounding={config.bf16_rounding!r}; choose one of {names}")
-    if config.jit_compile not in JIT_COMPILE:
-        raise UsageError(f"unknown --jit_compile={config.jit_compile!r}; choose one of {', '.join(JIT_COMPILE)}")
-    if config.resume not in RESUME:
-        raise UsageError(f"unknown --resume={config.resume!r}; choose one of {', '.join(RESUME)}")
     for name in ("epochs", "batch_size", "steps_per_epoch", "grad_accum_steps", "steps_per_execution", "log_every"):
         value = getattr(config, name)
         if value is not None and value < 1:
