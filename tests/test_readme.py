@@ -1,4 +1,4 @@
-"""README's "Your own model" example runs as written and resumes from its checkpoints."""
+"""README's "Your own model" example runs as written and resumes from its checkpoints; the documents' links hold."""
 
 import dataclasses
 import os
@@ -115,3 +115,28 @@ def test_ci_runs_readmes_test_command_and_the_slow_tests():
     ran = [argv[1:] for argv in lines if argv and argv[0] == "python"]
     assert readme[1:] in ran, (readme, ran)
     assert readme[readme.index("-m", 2) + 1] == "not slow" and [*readme[1:-2], "slow", "tests"] in ran, ran
+
+
+def _anchors(text):
+    """GitHub's anchors of a Markdown text's headings (outside code blocks): lower case, punctuation gone."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", prose, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_between_the_documents_finds_its_file_and_heading():
+    """A link in a top-level document to a file of the repo names one that exists, and a `#part` of a
+    Markdown file one of its headings (DECISIONS.md's contents, README's links into GUIDE.md)."""
+    broken, checked = [], 0
+    for doc in sorted(f for f in os.listdir(REPO) if f.endswith(".md")):
+        for target in re.findall(r"\]\(([^)\s]+)\)", open(os.path.join(REPO, doc)).read()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            path = os.path.join(REPO, path or doc)
+            checked += 1
+            if not os.path.exists(path):
+                broken.append(f"{doc}: {target} (no such file)")
+            elif anchor and path.endswith(".md") and anchor not in _anchors(open(path).read()):
+                broken.append(f"{doc}: {target} (no such heading)")
+    assert checked >= 40 and not broken, broken
