@@ -62,12 +62,14 @@ def test_doctor_command_and_train_diagnose(tmp_path):
         "--batch_size=16",
         "--policy=mixed_bfloat16",
         "--bf16_rounding=stochastic",  # For --policy=bfloat16; no run here reads it, and none is told it.
+        "--lr_schedule=constant",
         f"--output_dir={tmp_path / 'parity'}",
     )
     assert parity.returncode == 0, parity.stderr[-2000:]
     assert "has no effect" not in parity.stderr, parity.stderr[-2000:]
     result = json.loads((tmp_path / "parity" / "parity.json").read_text())
     assert len(result["float32"]["accuracies"]) == 2 and "within_noise" in result
+    assert result["lr_schedule"] == "constant", result  # As every run trained, from its metrics.
     assert "seed-to-seed noise" in parity.stdout
     diagnose = _command(
         "train.py",

@@ -17,6 +17,8 @@ FLAGS = flags.FLAGS
 
 
 def run_parity():
+    schedules = {}  # The learning-rate schedules the runs trained with, as their metrics say.
+
     def run(policy, seed):
         with tempfile.TemporaryDirectory() as model_dir, open(os.devnull, "w") as quiet:
             config = training.Config(
@@ -28,6 +30,7 @@ def run_parity():
                 steps_per_epoch=FLAGS.steps_per_epoch,
                 batch_size=FLAGS.batch_size,
                 learning_rate=FLAGS.learning_rate,
+                lr_schedule=FLAGS.lr_schedule,
                 seed=seed,
                 bf16_rounding=FLAGS.bf16_rounding if policy == "bfloat16" else training.Config.bf16_rounding,
                 deterministic=True,
@@ -35,12 +38,14 @@ def run_parity():
                 model_dir=model_dir,
                 verbose=0,
             )
-            accuracy = training.train_and_evaluate(config, out=quiet)["test_accuracy"]
+            metrics = training.train_and_evaluate(config, out=quiet)
+        accuracy, schedules[metrics["lr_schedule"]] = metrics["test_accuracy"], None
         print(f"  {policy:15s} seed {seed}: test accuracy {accuracy:.4f}", flush=True)
         return accuracy
 
     baseline = FLAGS.baseline or ("mixed_bfloat16" if FLAGS.policy == "float8" else "float32")
     result = doctor.parity(run, FLAGS.seeds, (baseline, FLAGS.policy))
+    result["lr_schedule"] = ", ".join(schedules)
     for policy in result["policies"]:
         r = result[policy]
         print(f"{policy:15s} mean {r['mean']:.4f}  std {r['std']:.4f}  over seeds 0..{FLAGS.seeds - 1}")

@@ -37,6 +37,9 @@ def define():
         "steps_per_epoch", None, "Steps per epoch for --parity runs (default: one pass).", lower_bound=1
     )
     flags.DEFINE_float("learning_rate", 1e-3, "Learning rate for --parity runs.")
+    flags.DEFINE_enum(
+        "lr_schedule", "cosine", list(choices.LR_SCHEDULES), "--parity runs' learning-rate schedule: see train.py."
+    )
     # Checked as the flags are read, so that a wrong value is answered before TensorFlow loads.
     flags.register_multi_flags_validator(
         ["parity", "seeds"],
