@@ -140,3 +140,19 @@ def test_every_link_between_the_documents_finds_its_file_and_heading():
             elif anchor and path.endswith(".md") and anchor not in _anchors(open(path).read()):
                 broken.append(f"{doc}: {target} (no such heading)")
     assert checked >= 40 and not broken, broken
+
+
+def test_the_long_documents_contents_list_every_section():
+    """DECISIONS.md's and BENCHMARKS.md's contents at the top name each of their sections (a section added
+    without its line would be missed by a reader who starts there)."""
+    for doc, level in (("DECISIONS.md", "## "), ("BENCHMARKS.md", "##")):
+        text = open(os.path.join(REPO, doc)).read()
+        contents = text.split("\n## ", 1)[0]
+        prose = re.sub(r"```.*?```", "", text, flags=re.S)
+        sections = [h for h in re.findall(r"^(#+ .+)$", prose, re.M) if h.startswith(level)]
+        missing = [h for h in sections if f"]({_link(h)})" not in contents]
+        assert len(sections) >= 15 and not missing, (doc, missing)
+
+
+def _link(heading):
+    return "#" + next(iter(_anchors(heading)))
