@@ -117,42 +117,44 @@ def test_ci_runs_readmes_test_command_and_the_slow_tests():
     assert readme[readme.index("-m", 2) + 1] == "not slow" and [*readme[1:-2], "slow", "tests"] in ran, ran
 
 
-def _anchors(text):
-    """GitHub's anchors of a Markdown text's headings (outside code blocks): lower case, punctuation gone."""
-    prose = re.sub(r"```.*?```", "", text, flags=re.S)
-    headings = re.findall(r"^#+ (.+)$", prose, re.M)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+def _headings(text):
+    """A Markdown text's headings outside code blocks, as (their #s, their title)."""
+    return re.findall(r"^(#+) (.+)$", re.sub(r"```.*?```", "", text, flags=re.S), re.M)
+
+
+def _anchor(title):
+    """GitHub's anchor of a heading: lower case, punctuation but - and _ gone, each space a -."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
 
 def test_every_link_between_the_documents_finds_its_file_and_heading():
     """A link in a top-level document to a file of the repo names one that exists, and a `#part` of a
     Markdown file one of its headings (DECISIONS.md's contents, README's links into GUIDE.md)."""
+    anchors = {}  # Each linked Markdown file's, read once.
     broken, checked = [], 0
     for doc in sorted(f for f in os.listdir(REPO) if f.endswith(".md")):
         for target in re.findall(r"\]\(([^)\s]+)\)", open(os.path.join(REPO, doc)).read()):
             if re.match(r"[a-z]+://", target):
                 continue
             path, _, anchor = target.partition("#")
-            path = os.path.join(REPO, path or doc)
+            path = path or doc
             checked += 1
-            if not os.path.exists(path):
+            if not os.path.exists(os.path.join(REPO, path)):
                 broken.append(f"{doc}: {target} (no such file)")
-            elif anchor and path.endswith(".md") and anchor not in _anchors(open(path).read()):
-                broken.append(f"{doc}: {target} (no such heading)")
+            elif anchor and path.endswith(".md"):
+                if path not in anchors:
+                    anchors[path] = {_anchor(title) for _, title in _headings(open(os.path.join(REPO, path)).read())}
+                if anchor not in anchors[path]:
+                    broken.append(f"{doc}: {target} (no such heading)")
     assert checked >= 40 and not broken, broken
 
 
 def test_the_long_documents_contents_list_every_section():
     """DECISIONS.md's and BENCHMARKS.md's contents at the top name each of their sections (a section added
     without its line would be missed by a reader who starts there)."""
-    for doc, level in (("DECISIONS.md", "## "), ("BENCHMARKS.md", "##")):
+    for doc, levels in (("DECISIONS.md", ("##",)), ("BENCHMARKS.md", ("##", "###"))):
         text = open(os.path.join(REPO, doc)).read()
         contents = text.split("\n## ", 1)[0]
-        prose = re.sub(r"```.*?```", "", text, flags=re.S)
-        sections = [h for h in re.findall(r"^(#+ .+)$", prose, re.M) if h.startswith(level)]
-        missing = [h for h in sections if f"]({_link(h)})" not in contents]
+        sections = [title for marks, title in _headings(text) if marks in levels]
+        missing = [title for title in sections if f"](#{_anchor(title)})" not in contents]
         assert len(sections) >= 15 and not missing, (doc, missing)
-
-
-def _link(heading):
-    return "#" + next(iter(_anchors(heading)))
