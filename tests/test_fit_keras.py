@@ -1,7 +1,8 @@
 """Keras features that tfmp.fit honours as model.fit does, or refuses where it cannot: an
 optimizer's moving averages (use_ema), BackupAndRestore, the losses layers add under a mixed
 policy (where model.fit itself fails), compile(run_eagerly=True) and compile(auto_scale_loss=False),
-a test_step of a model's own, TerminateOnNaN, the callbacks and progress bar of evaluation."""
+a test_step of a model's own, TerminateOnNaN, the callbacks and progress bar of evaluation, steps_per_epoch
+short of a last call of steps_per_execution."""
 
 import inspect
 import re
@@ -187,6 +188,18 @@ def test_validation_freq_as_a_list_of_epochs_validates_those_as_model_fit_does()
     for bad in ([], [0, 2], 1.5):
         with pytest.raises(UsageError, match="validation_freq must be an integer >= 1 or a list of epochs"):
             tfmp.fit(ours, regression_data(), validation_data=regression_data(), validation_freq=bad, verbose=0)
+
+
+def test_steps_per_epoch_that_fills_no_last_call_trains_that_many_updates():
+    # model.fit (Keras 3.15) runs whole calls, so an endless dataset's epoch of steps_per_epoch=5 at
+    # steps_per_execution=3 makes 6 updates; tfmp.fit makes the 5 asked for: a call of 3, then 2 single ones.
+    one, grouped, batches = regression(), regression(), []
+    tfmp.fit(one, regression_data().repeat(), epochs=2, steps_per_epoch=5, verbose=0)
+    counter = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batches.append(batch))
+    data = regression_data().repeat()
+    tfmp.fit(grouped, data, epochs=2, steps_per_epoch=5, steps_per_execution=3, callbacks=[counter], verbose=0)
+    assert int(grouped.optimizer.iterations.numpy()) == 10 and batches == [2, 3, 4] * 2
+    assert_same(weights(grouped), weights(one), atol=0)
 
 
 @pytest.mark.parametrize("auto_scale_loss", [True, False])
