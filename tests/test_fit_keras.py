@@ -199,7 +199,7 @@ def test_steps_per_epoch_that_fills_no_last_call_trains_that_many_updates():
     data = regression_data().repeat()
     tfmp.fit(grouped, data, epochs=2, steps_per_epoch=5, steps_per_execution=3, callbacks=[counter], verbose=0)
     assert int(grouped.optimizer.iterations.numpy()) == 10 and batches == [2, 3, 4] * 2
-    assert_same(weights(grouped), weights(one), atol=0)
+    assert_same(weights(grouped), weights(one))  # Within 1e-5: a GPU need not repeat its sums.
 
 
 @pytest.mark.parametrize("auto_scale_loss", [True, False])
