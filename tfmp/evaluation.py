@@ -2,8 +2,8 @@
 
 import keras
 
+from tfmp import arguments, data_check, fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp import callbacks as tfmp_callbacks
-from tfmp import fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp.errors import UsageError
 from tfmp.run import evaluated_nothing, runs_once
 
@@ -48,14 +48,14 @@ def evaluate(
         As `model.evaluate`: the loss alone where the model has no metric, else a list of floats, the loss
         first and each metric in the model's order; with `return_dict=True`, a dict of them by name.
     """
-    data = loop.given_data(data, x, "tfmp.evaluate")
+    data = arguments.given_data(data, x, "tfmp.evaluate")
     strategy = strategy or model.distribute_strategy
     tf_compat.own_collective_keys(strategy)
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    loop.refuse_own_step(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
+    arguments.refuse_own_step(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
-    loop.check_verbose(verbose)
+    arguments.check_verbose(verbose)
     data, _ = fit_data.datasets(
         data,
         y,
@@ -64,14 +64,19 @@ def evaluate(
         batch_size=batch_size,
         training=False,
         steps=steps,
-        targets=inputs.needs_targets(model),
+        targets=data_check.needs_targets(model),
     )
     source = inputs.Input(data, strategy, steps, 1, "data", training=False)
     compiled = loop.prepare(model, strategy, source.element_spec, evaluating=True)
     # A refusal at the first batch evaluates that batch again without XLA.
     xla.resolve(compiled, source.element_spec, jit_compile, per_replica=source.fn is not None, refuses_late=True)
     callbacks = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1, steps=source.steps, model=model
+        arguments.callback_list(callbacks),
+        add_progbar=verbose != 0,
+        verbose=verbose,
+        epochs=1,
+        steps=source.steps,
+        model=model,
     )
     callbacks.on_test_begin()
     batch_logs = tfmp_callbacks.overrides(callbacks.callbacks, "on_test_batch_end", keras.callbacks.History)

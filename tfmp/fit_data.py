@@ -55,6 +55,10 @@ def datasets(
         data, shuffle = pydata.to_dataset(data, shuffle, seed, default_shuffle=training, keep=training), None
     if pydata.is_python_data(validation_data):
         validation_data = pydata.to_dataset(validation_data, False, seed, "validation_data")
+    if is_array_structure(validation_data) and not is_arrays(validation_data):  # x alone, as model.fit takes it.
+        if targets:
+            raise UsageError("validation_data holds inputs only: give the targets too, (x_val, y_val)")
+        validation_data = (validation_data,)
     given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
     given["validation_split"] = validation_split or None
     arrays = None
@@ -63,7 +67,7 @@ def datasets(
     elif is_arrays(data):
         arrays = data
     elif is_array_structure(data) and targets:
-        raise UsageError("data holds inputs only: give the targets too, tfmp.fit(model, x, y) or (x, y) as data")
+        raise UsageError("data holds inputs only: give the targets too, as y or in (x, y) as data")
     elif is_array_structure(data):
         arrays = (data,)
     tpu = distribute.strategy_name(strategy) == "tpu"  # Static shapes: whole batches only.

@@ -1,18 +1,18 @@
 """`tfmp.fit`: train any compiled Keras model under any tf.distribute strategy, correctly."""
 
 import contextlib
-import math
 import tempfile
 
 import keras
-import numpy as np
 from absl import logging
 
 from tfmp import (
     agree,
+    arguments,
     bf16,
     checkpoint,
     cudnn,
+    data_check,
     decisions,
     distribute,
     fit_data,
@@ -24,15 +24,12 @@ from tfmp import (
     loss_scale,
     precision,
     run_directory,
-    tf_compat,
     worker_files,
     xla,
 )
-from tfmp.errors import PeerLost, TrainingError, UsageError, is_count
+from tfmp.errors import PeerLost, TrainingError
 from tfmp.run import Run
 from tfmp.steps import Steps, computes_norm
-
-VERBOSE = ("auto", 0, 1, 2)
 
 
 def fit(
@@ -174,10 +171,10 @@ def fit(
         >>> history = tfmp.fit(model, train_ds, validation_data=val_ds, epochs=10,
         ...                    grad_accum_steps=4, clipnorm=1.0, checkpoint_dir="runs/mine")
     """
-    data = given_data(data, x, "tfmp.fit")
+    data = arguments.given_data(data, x, "tfmp.fit")
     if steps_per_execution is None:
         steps_per_execution = getattr(model, "steps_per_execution", 1)
-    strategy = _check_arguments(**locals())
+    strategy, callbacks = arguments.check_fit(**locals())
     data, validation_data = fit_data.datasets(
         data,
         y,
@@ -190,13 +187,14 @@ def fit(
         steps=steps_per_epoch,
         validation_steps=validation_steps,
         validation_batch_size=validation_batch_size,
-        targets=inputs.needs_targets(model),
+        targets=data_check.needs_targets(model),
         statistics=distribute.batch_statistics(model),
     )
     train_input = inputs.Input(data, strategy, steps_per_epoch, grad_accum_steps, "data", class_weight=class_weight)
     val_input = None
     if validation_data is not None:
         val_input = inputs.Input(validation_data, strategy, validation_steps, 1, "validation_data", training=False)
+        data_check.check(model, val_input.element_spec, "validation_data")  # Before training, not after an epoch.
     log_dir = log_dir or checkpoint_dir  # The run's directory: decisions.json goes here too.
     # Without a log_dir nothing reads the gradients' norm: the step leaves it out where nothing else needs it.
     steps = prepare(
@@ -281,7 +279,7 @@ def prepare(
     (as `model.evaluate` leaves `model.train_function` be): no compiled update is lost."""
     if precision.float8_enabled() and not float8.decided(model):
         float8.quantize(model)  # Before the optimizer is built: it must know the float8 state.
-    inputs.build_for(model, strategy, element_spec)
+    data_check.build_for(model, strategy, element_spec)
     loss_scale.for_model(model, strategy)
     # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
     # second fit (or evaluate) with the same setup traces and compiles nothing again.
@@ -320,81 +318,3 @@ def kept_steps(model):
     """The `Steps` `tfmp.fit` or `tfmp.evaluate` last built for `model`, or None."""
     kept = getattr(model, _KEPT, None)
     return kept[2] if kept else None
-
-
-def given_data(data, x, caller):
-    """`data`, or `x` (`model.fit`'s name for it); UsageError for both or neither."""
-    if data is not None and x is not None:
-        raise UsageError(f"{caller} got data and x=: give the data once (x= is model.fit's name for it)")
-    if data is None and x is None:
-        raise UsageError(f"{caller} needs data: a dataset, a PyDataset, a generator or arrays (model.fit's x)")
-    return x if data is None else data
-
-
-def refuse_own_step(model, step, replaced_by, instead):
-    """UsageError where `model` overrides Keras' `step`, which `replaced_by` would silently skip."""
-    if getattr(type(model), step) is not getattr(keras.Model, step):
-        raise UsageError(
-            f"{type(model).__name__} overrides {step}, which {replaced_by} replaces with its own; override "
-            f"compute_loss / compute_metrics instead, or {instead}"
-        )
-
-
-def _check_arguments(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
-    """Raises UsageError for anything wrong before touching the model; returns the strategy."""
-    if not isinstance(model, keras.Model):
-        raise UsageError(f"tfmp.fit takes a keras.Model, got {type(model).__name__}")
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise UsageError("tfmp.fit needs a compiled model: call model.compile(optimizer, loss, metrics) first")
-    refuse_own_step(model, "train_step", "tfmp.fit", "train it with model.fit")
-    if kw["validation_data"] is not None or kw["validation_split"]:
-        refuse_own_step(model, "test_step", "tfmp.fit's validation", "validate it with model.evaluate")
-    for name, value, low in (
-        ("epochs", epochs, 0),
-        ("initial_epoch", initial_epoch, 0),
-        ("grad_accum_steps", grad_accum_steps, 1),
-        ("steps_per_execution", kw["steps_per_execution"], 1),
-        ("checkpoint_every", kw["checkpoint_every"], 0),
-        ("log_every", kw["log_every"], 1),
-    ):
-        if not is_count(value, low):
-            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
-    freq = kw["validation_freq"]
-    listed = list(freq) if isinstance(freq, list | tuple) else [freq]  # Keras' list: the epochs that validate.
-    if not listed or not all(is_count(f, 1) for f in listed):
-        raise UsageError(f"validation_freq must be an integer >= 1 or a list of epochs (from 1), got {freq!r}")
-    for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", kw["validation_steps"])):
-        if value is not None and (not isinstance(value, int | np.integer) or value < 1):
-            raise UsageError(f"{name} must be None or an integer >= 1, got {value!r}")
-    if steps_per_epoch and steps_per_epoch % grad_accum_steps:
-        raise UsageError(
-            f"steps_per_epoch={steps_per_epoch} counts batches and must be a multiple of "
-            f"grad_accum_steps={grad_accum_steps} (every {grad_accum_steps} batches make one update)"
-        )
-    if clipnorm is not None and not (isinstance(clipnorm, int | float) and 0 < clipnorm < math.inf):
-        raise UsageError(f"clipnorm must be a positive finite number, got {clipnorm!r}")
-    for name in ("checkpoint_dir", "log_dir"):
-        if kw[name]:
-            run_directory.check_writable(kw[name], name)
-    if kw["checkpoint_dir"] and any(isinstance(c, keras.callbacks.BackupAndRestore) for c in kw["callbacks"] or ()):
-        raise UsageError(
-            "checkpoint_dir= and a keras.callbacks.BackupAndRestore would each restore the run: give one "
-            "(checkpoint_dir resumes at the batch, with the input's position and the loss scale)"
-        )
-    xla.check(kw["jit_compile"])
-    check_verbose(kw["verbose"])
-    built_under = model.distribute_strategy
-    strategy = strategy or built_under
-    variables = model.weights
-    if variables and not strategy.extended.variable_created_in_scope(variables[0].value):
-        raise UsageError(
-            f"the model was built outside the scope of the {distribute.strategy_name(strategy)} strategy it is "
-            "trained under: build and compile it inside `with strategy.scope():`"
-        )
-    tf_compat.own_collective_keys(strategy)
-    return strategy
-
-
-def check_verbose(verbose):
-    if verbose not in VERBOSE:
-        raise UsageError(f"verbose must be one of {', '.join(map(str, VERBOSE))}, got {verbose!r}")

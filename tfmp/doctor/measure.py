@@ -7,8 +7,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfmp import bf16, fit_data, float8, gradients, keras_compat, keras_optimizers, precision
-from tfmp import inputs as data_inputs
+from tfmp import bf16, data_check, fit_data, float8, gradients, keras_compat, keras_optimizers, precision
 from tfmp.doctor.diagnosis import FLOAT16_MAX, Diagnosis
 from tfmp.doctor.watch import (
     BINS,
@@ -52,7 +51,7 @@ def diagnose(model, data, steps=8):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
         raise UsageError(f"diagnose: steps must be an integer >= 1, got {steps!r}")
-    targets = data_inputs.needs_targets(model)
+    targets = data_check.needs_targets(model)
     data, _ = fit_data.datasets(data, strategy=model.distribute_strategy, training=False, targets=targets)
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
