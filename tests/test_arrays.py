@@ -233,3 +233,28 @@ def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
 def test_an_unknown_keyword_is_a_type_error_as_python_says():
     with pytest.raises(TypeError, match="unexpected keyword argument 'epoch'"):
         tfmp.fit(regression(), regression_data(), epoch=2)
+
+
+class _Sum(keras.layers.Layer):
+    def call(self, a, b=None):
+        return a if b is None else a + b
+
+
+def test_none_for_an_optional_input_trains_as_model_fit_takes_it():
+    """`keras.Input(optional=True)` given None among the arrays: model.fit trains on it, and tfmp.fit refused the
+    dict ("y= is for arrays, and data is a dict")."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((3,), name="a"), keras.Input((3,), name="b", optional=True)
+        built = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(_Sum()(a, b)))
+        built.compile(keras.optimizers.Adam(1e-2), "mse")
+        return built
+
+    rng = np.random.default_rng(0)
+    x, y = {"a": rng.normal(size=(40, 3)).astype("float32"), "b": None}, rng.normal(size=(40, 1)).astype("float32")
+    theirs, ours = model(), model()
+    expected = theirs.fit(x, y, batch_size=8, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
+    history = tfmp.fit(ours, x, y, batch_size=8, epochs=2, shuffle=False, validation_split=0.25, verbose=0)
+    assert_same(weights(ours), weights(theirs), atol=0)
+    np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)

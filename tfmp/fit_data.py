@@ -148,11 +148,12 @@ def _no_python_numbers(**given):
 
 
 def is_array_structure(data):
-    """Whether `data` is a numpy array or tensor, or a tuple, list or dict of them."""
+    """Whether `data` is a numpy array or tensor, or a tuple, list or dict of them (None for an optional input, as
+    `model.fit` takes it, beside one at least)."""
     if not isinstance(data, np.ndarray | tf.Tensor | tuple | list | dict):
         return False
-    leaves = tf.nest.flatten(data)
-    return bool(leaves) and all(isinstance(a, np.ndarray | tf.Tensor) for a in leaves)
+    arrays = [a for a in tf.nest.flatten(data) if a is not None]
+    return bool(arrays) and all(isinstance(a, np.ndarray | tf.Tensor) for a in arrays)
 
 
 def is_arrays(data):
@@ -169,11 +170,16 @@ def split_arrays(arrays, validation_split):
     at = int(n * (1 - validation_split))
     if not 0 < at < n:
         raise UsageError(f"validation_split={validation_split} of {n} examples leaves no training or validation data")
-    return tuple(tf.nest.map_structure(lambda a, s=s: a[s], arrays) for s in (slice(None, at), slice(at, None)))
+    return tuple(_each(lambda a, s=s: a[s], arrays) for s in (slice(None, at), slice(at, None)))
+
+
+def _each(fn, arrays):
+    """`fn` of each array in `arrays`; a None (an optional input's) stays None."""
+    return tf.nest.map_structure(lambda a: None if a is None else fn(a), arrays)
 
 
 def num_examples(arrays):
-    lengths = {int(a.shape[0]) if len(a.shape) else 0 for a in tf.nest.flatten(pydata.tuples(arrays))}
+    lengths = {int(a.shape[0]) if len(a.shape) else 0 for a in tf.nest.flatten(pydata.tuples(arrays)) if a is not None}
     if len(lengths) != 1 or 0 in lengths:
         raise UsageError(f"the arrays must hold the same number (> 0) of examples; their lengths are {sorted(lengths)}")
     return lengths.pop()
@@ -181,7 +187,7 @@ def num_examples(arrays):
 
 def _tensors(arrays):
     with tf.device("CPU:0"):  # Where the input pipeline reads them, whatever the accelerator.
-        return tf.nest.map_structure(tf.convert_to_tensor, pydata.tuples(arrays))
+        return _each(tf.convert_to_tensor, pydata.tuples(arrays))
 
 
 def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False):
@@ -203,7 +209,7 @@ def from_arrays(arrays, batch_size, shuffle=False, seed=0, drop_remainder=False)
         # drawn from the seeded permutation above (each batch's part of it ranks its examples).
         keys, batches = batches, tf.data.Dataset.range(n).batch(batch_size, drop_remainder=drop_remainder)
         batches = tf.data.Dataset.zip(batches, keys).map(lambda indices, key: tf.gather(indices, tf.argsort(key)))
-    gather = lambda indices: tf.nest.map_structure(lambda t: tf.gather(t, indices), tensors)  # noqa: E731
+    gather = lambda indices: _each(lambda t: tf.gather(t, indices), tensors)  # noqa: E731
     dataset = batches.map(gather).prefetch(tf.data.AUTOTUNE)
     if not shuffle:  # Read alike by every iterator.
         return dataset
