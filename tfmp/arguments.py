@@ -78,8 +78,8 @@ def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accu
     for name in ("checkpoint_dir", "log_dir"):
         if kw[name]:
             run_directory.check_writable(kw[name], name)
-    listed = callback_list(kw["callbacks"])
-    if kw["checkpoint_dir"] and any(isinstance(c, keras.callbacks.BackupAndRestore) for c in listed):
+    callbacks = callback_list(kw["callbacks"])
+    if kw["checkpoint_dir"] and any(isinstance(c, keras.callbacks.BackupAndRestore) for c in callbacks):
         raise UsageError(
             "checkpoint_dir= and a keras.callbacks.BackupAndRestore would each restore the run: give one "
             "(checkpoint_dir resumes at the batch, with the input's position and the loss scale)"
@@ -95,7 +95,7 @@ def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accu
             "trained under: build and compile it inside `with strategy.scope():`"
         )
     tf_compat.own_collective_keys(strategy)
-    return strategy, listed
+    return strategy, callbacks
 
 
 def check_verbose(verbose):

@@ -72,7 +72,7 @@ class Run:
         self.progress_path = os.environ.get(launch.PROGRESS_ENV)  # Set by python -m tfmp.launch: how far it got.
         heartbeat = [tfmp_callbacks.Heartbeat(self.progress_path)] if self.progress_path else []
         self.callbacks = keras.callbacks.CallbackList(
-            [*heartbeat, *(callbacks or [])],
+            [*heartbeat, *callbacks],
             add_history=True,
             add_progbar=verbose != 0,
             verbose=verbose,
