@@ -48,7 +48,9 @@ flags.DEFINE_string("tpu", DEFAULT.tpu, "With --strategy=tpu: 'local' (Colab/TPU
 flags.DEFINE_integer("batch_size", DEFAULT.batch_size, "GLOBAL batch size (summed over replicas).")
 flags.DEFINE_integer("epochs", DEFAULT.epochs, "Training epochs.")
 flags.DEFINE_integer(
-    "steps_per_epoch", DEFAULT.steps_per_epoch, "Steps per epoch (repeats the data); default one pass."
+    "steps_per_epoch",
+    DEFAULT.steps_per_epoch,
+    "Updates per epoch, each of --grad_accum_steps global batches (repeats the data); default one pass.",
 )
 flags.DEFINE_float("learning_rate", DEFAULT.learning_rate, "Base learning rate (for --base_batch_size).")
 flags.DEFINE_enum("lr_scaling", DEFAULT.lr_scaling, list(choices.LR_SCALING), "Scale the LR with the batch size.")
@@ -77,13 +79,16 @@ flags.DEFINE_integer(
     "grad_accum_steps", DEFAULT.grad_accum_steps, "Micro-batches accumulated per update (effective batch = batch x N)."
 )
 flags.DEFINE_float("clipnorm", DEFAULT.clipnorm, "Clip the global norm of the all-reduced, unscaled gradients.")
-flags.DEFINE_integer("steps_per_execution", DEFAULT.steps_per_execution, "Steps per compiled call; raise it on TPUs.")
+flags.DEFINE_integer("steps_per_execution", DEFAULT.steps_per_execution, "Updates per compiled call; raise it on TPUs.")
 flags.DEFINE_integer(
     "checkpoint_every",
     DEFAULT.checkpoint_every,
-    "Steps between checkpoints in MODEL_DIR/checkpoints (0: off). Rerunning the same command resumes from the latest.",
+    "Global batches between checkpoints in MODEL_DIR/checkpoints (0: off). Rerunning the same command resumes "
+    "from the latest.",
 )
-flags.DEFINE_integer("log_every", DEFAULT.log_every, "Steps between TensorBoard scalars in MODEL_DIR/tensorboard.")
+flags.DEFINE_integer(
+    "log_every", DEFAULT.log_every, "Global batches between TensorBoard scalars in MODEL_DIR/tensorboard."
+)
 flags.DEFINE_string("export_dir", DEFAULT.export_dir, "Write model.keras and saved_model/ here after training.")
 flags.DEFINE_list(
     "keep_float32",
