@@ -34,7 +34,7 @@ def define():
     flags.DEFINE_integer("seeds", 3, "Seeds per policy for --parity (at least 2: their spread is the noise).")
     flags.DEFINE_integer("epochs", 2, "Epochs per --parity run.", lower_bound=1)
     flags.DEFINE_integer(
-        "steps_per_epoch", None, "Steps per epoch for --parity runs (default: one pass).", lower_bound=1
+        "steps_per_epoch", None, "Updates per epoch for --parity runs (default: one pass).", lower_bound=1
     )
     flags.DEFINE_float("learning_rate", 1e-3, "Learning rate for --parity runs.")
     flags.DEFINE_enum(
