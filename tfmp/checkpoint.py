@@ -9,9 +9,26 @@ from absl import logging
 from google.protobuf import message
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tfmp import bf16, callback_state, float8, keras_optimizers
+from tfmp import bf16, callback_state, float8, keras_optimizers, tf_compat
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.run_directory import flag_for
+
+
+def _replica_parts(metrics):
+    """{name: [each replica's variable]} for the metrics' running sums that a strategy of one worker
+    keeps per replica; {} for none, or under several workers (every worker restores the chief's
+    checkpoint, whose parts are the chief's replicas only).
+
+    A strategy keeps a metric's sum on each replica, reads it as their total and restores that
+    total as total / replicas on each (TensorFlow's SyncOnRead variables). A run resumed within an
+    epoch would then add its batches to other partial sums than the unbroken run did: its epoch's
+    mean the same value, rounded differently (1 ulp, seen on an AMD Zen 5). Restored part by part,
+    the sums are the unbroken run's, to the bit.
+    """
+    parts = {k: v for k, v in metrics.items() if isinstance(v, tf.distribute.DistributedValues) and len(v.values) > 1}
+    if not parts or tf_compat.num_workers(next(iter(parts.values())).distribute_strategy) > 1:
+        return {}
+    return {key: list(v.values) for key, v in parts.items()}
 
 
 class Checkpointer:
@@ -79,6 +96,11 @@ class Checkpointer:
         self._kahan = [b.value for b in bf16.buffers(optimizer)]  # Not the optimizer's: see tfmp.bf16.Compensation.
         if self._kahan:
             self._optional["kahan"] = self._kahan
+        # Each replica's part of those sums too, where a strategy keeps them apart (`_replica_parts`): the group's
+        # name holds the count of parts, so only a run with as many restores them.
+        parts = _replica_parts(metrics)
+        if parts:
+            self._optional[f"metrics_{len(next(iter(parts.values())))}_replicas"] = parts
 
     def _attach(self):
         for name, value in self._optional.items():
@@ -115,6 +137,9 @@ class Checkpointer:
                     buffer.assign(tf.zeros(buffer.shape, buffer.dtype))
             if "metrics" in held:  # Those it has; one added since starts at zero.
                 tf.train.Checkpoint(metrics=self._optional["metrics"]).restore(path).expect_partial()
+            for name in held & self._optional.keys():  # Each replica's part, over its share of the sum.
+                if name.startswith("metrics_"):
+                    tf.train.Checkpoint(**{name: self._optional[name]}).restore(path).expect_partial()
             self._attach()  # In every checkpoint from here.
         except Exception as e:  # noqa: BLE001 - a broken or foreign checkpoint fails in many ways.
             failed = f"{type(e).__name__}: {first_line(e)}"
