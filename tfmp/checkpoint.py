@@ -9,7 +9,7 @@ from absl import logging
 from google.protobuf import message
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tfmp import bf16, callback_state, float8, keras_optimizers, tf_compat
+from tfmp import bf16, callback_state, distribute, float8, keras_optimizers
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.run_directory import flag_for
 
@@ -25,10 +25,11 @@ def _replica_parts(metrics):
     mean the same value, rounded differently (1 ulp, seen on an AMD Zen 5). Restored part by part,
     the sums are the unbroken run's, to the bit.
     """
-    parts = {k: v for k, v in metrics.items() if isinstance(v, tf.distribute.DistributedValues) and len(v.values) > 1}
-    if not parts or tf_compat.num_workers(next(iter(parts.values())).distribute_strategy) > 1:
+    parts = {key: v for key, v in metrics.items() if isinstance(v, tf.distribute.DistributedValues)}
+    strategy = next(iter(parts.values())).distribute_strategy if parts else None
+    if strategy is None or strategy.num_replicas_in_sync == 1 or distribute.num_workers(strategy) > 1:
         return {}
-    return {key: list(v.values) for key, v in parts.items()}
+    return {key: list(strategy.experimental_local_results(v)) for key, v in parts.items()}
 
 
 class Checkpointer:
