@@ -119,7 +119,7 @@ def test_terminate_on_nan_ends_the_run_as_in_model_fit(tmp_path, caplog, raise_e
     named in a warning) as model.fit's ends, not with tfmp's TrainingError; the last
     checkpoint is the one before. With raise_error=True, tfmp's error."""
     if raise_error and "raise_error" not in inspect.signature(keras.callbacks.TerminateOnNaN).parameters:
-        pytest.skip("Keras before 3.11: TerminateOnNaN has no raise_error")
+        pytest.skip("Keras before 3.13: TerminateOnNaN has no raise_error")
     x, y = regression_arrays()
     y[64:] = np.nan  # Batch 2 of 32.
     stop = {"raise_error": True} if raise_error else {}
