@@ -2,6 +2,7 @@
 .ci/floors.txt (CI's floor leg), README's support matrix and tfmp.versions say the same;
 outside them, `import tfmp` warns once."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -64,6 +65,23 @@ def test_versions_outside_the_tested_range_are_named(monkeypatch, installed, exp
     monkeypatch.setattr(versions, "installed", installed.get)
     problems = versions.outside_tested()
     assert len(problems) == len(expected) and all(p.startswith(e) for p, e in zip(problems, expected, strict=True))
+
+
+def test_a_nightly_distribution_is_read_as_its_package(monkeypatch):
+    """keras-nightly (what TensorFlow's release candidates install) is Keras: its version is checked."""
+    metadata = {"tf-nightly": "2.22.0.dev20261001", "keras-nightly": "3.16.0.dev2026102704"}
+
+    def version(name):
+        if name not in metadata:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return metadata[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert versions.installed("keras") == "3.16.0.dev2026102704"
+    assert versions.outside_tested() == [
+        "tensorflow 2.22.0.dev20261001 (tested: >=2.18,<2.22)",
+        "keras 3.16.0.dev2026102704 (tested: >=3.10,<3.16)",
+    ]
 
 
 def test_import_warns_once_above_the_ceiling():

@@ -16,8 +16,12 @@ TESTED = {
     "keras": ("3.10", "3.16"),
     "tensorflow-datasets": ("4.9.7", "5"),
 }
-# Other distributions that install the `tensorflow` package.
-_ALIASES = {"tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly")}
+# Other distributions that install the same package (TensorFlow's release candidates pull
+# in keras-nightly, not keras).
+_ALIASES = {
+    "tensorflow": ("tensorflow", "tensorflow-cpu", "tensorflow-macos", "tf-nightly"),
+    "keras": ("keras", "keras-nightly"),
+}
 
 
 def _release(version):
