@@ -213,3 +213,24 @@ def test_gemm_kinds_reads_gpu_hlo():
         ]
     )
     assert float8_hlo.gemm_kinds(hlo) == {"float8": 1, "cublas": 1, "triton_float8": 1, "triton": 1, "dot": 1}
+
+
+def test_gemm_kinds_counts_a_cpu_library_fusions_dot():
+    """XLA's CPU backend in TensorFlow 2.22 runs a dot inside a YNNPACK fusion: still one GEMM,
+    and a fusion of a reduction is none."""
+    hlo = "\n".join(
+        [
+            "%fused_computation.4 (param_0.7: bf16[256,64], param_1.7: bf16[64,64]) -> bf16[256,64] {",
+            "  ROOT %MatMul.0 = bf16[256,64]{1,0} dot(%param_0.7, %param_1.7), lhs_contracting_dims={1}",
+            "}",
+            "%fused_computation.2 (param_0.1: bf16[256,64]) -> bf16[] {",
+            "  ROOT %Max.1 = bf16[] reduce(%param_0.1, %c), dimensions={0,1}, to_apply=%region_0.1",
+            "}",
+            "ENTRY %main.1 (arg0.1: f32[256,64]) -> f32[64,64] {",
+            "  %ynn_fusion.5 = bf16[256,64]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.4",
+            "  %ynn_fusion.2 = bf16[] fusion(%a), kind=kCustom, calls=%fused_computation.2",
+            "  %MatMul_1.2 = f32[64,64]{1,0} dot(%c, %d), lhs_contracting_dims={0}, rhs_contracting_dims={0}",
+            "}",
+        ]
+    )
+    assert float8_hlo.gemm_kinds(hlo) == {"float8": 0, "cublas": 0, "triton_float8": 0, "triton": 0, "dot": 2}

@@ -50,21 +50,29 @@ DUMP_FLAGS = "--xla_dump_hlo_pass_re=.* --xla_dump_hlo_module_re=.*float8_probe.
 def gemm_kinds(hlo):
     """{kind: count} of the GEMMs in an optimized HLO text: "float8" (cuBLASLt float8),
     "cublas" (any other cuBLAS or cuBLASLt call), "triton_float8" and "triton" (Triton GEMM
-    fusions with and without float8 operands) and "dot" (a dot outside any fusion, as a CPU
-    compiles it)."""
+    fusions with and without float8 operands) and "dot" (a dot as a CPU runs it: outside any
+    fusion, or inside a fusion XLA's CPU backend hands to YNNPACK or XNNPACK, as TensorFlow
+    2.22's does)."""
     kinds = {"float8": 0, "cublas": 0, "triton_float8": 0, "triton": 0, "dot": 0}
-    computation = ""
+    computation, with_dot, library_calls = "", set(), []
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
-            computation = line.split("(")[0]  # A computation's header: its name, then its parameters.
+            computation = line.split("(")[0].split()[-1]  # A computation's header: its name, then its parameters.
         if FLOAT8_GEMM in line:
             kinds["float8"] += 1
         elif 'custom_call_target="__cublas$' in line:
             kinds["cublas"] += 1
         elif "__triton_gemm" in line and "fusion(" in line:
             kinds["triton_float8" if "f8e" in line else "triton"] += 1  # Triton can take float8 operands.
-        elif re.search(r"\bdot\(", line) and not re.search("fus|triton|gemm", computation):
-            kinds["dot"] += 1
+        elif re.search(r"\bdot\(", line):
+            if re.search("fus|triton|gemm", computation):
+                with_dot.add(computation)
+            else:
+                kinds["dot"] += 1
+        library = re.match(r"\s*(?:ROOT )?%[yx]nn_fusion[\w.]* = .*\bfusion\(.*\bcalls=(%[\w.\-]+)", line)
+        if library:
+            library_calls.append(library.group(1))
+    kinds["dot"] += sum(called in with_dot for called in library_calls)
     return kinds
 
 
