@@ -176,9 +176,11 @@ def cudnn_mask_check(monkeypatch):
 
         return fn
 
-    # Their CPU versions raise NotImplementedError: the layer then runs the generic kernel.
-    monkeypatch.setattr(backend, "lstm", as_on_a_gpu(backend.lstm, 3))
-    monkeypatch.setattr(backend, "gru", as_on_a_gpu(backend.gru, 2))
+    # Their CPU versions raise NotImplementedError: the layer then runs the generic kernel. The
+    # layers call `backend.lstm` up to Keras 3.15 and `backend.rnn.lstm` (a module) after it.
+    kernels = backend if hasattr(backend, "lstm") else backend.rnn
+    monkeypatch.setattr(kernels, "lstm", as_on_a_gpu(kernels.lstm, 3))
+    monkeypatch.setattr(kernels, "gru", as_on_a_gpu(kernels.gru, 2))
     return checked
 
 
