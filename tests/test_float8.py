@@ -2,6 +2,8 @@
 maximum over replicas (and micro-batches), never clipped, untouched by a skipped update,
 checkpointed with the model; the policy, the audit, the doctor."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -134,6 +136,73 @@ def test_resume_restores_the_float8_state_exactly(tmp_path):
     tfmp.fit(resumed, data(batch=4, repeat=1), epochs=3, checkpoint_dir=str(tmp_path), jit_compile=False, verbose=0)
     for a, b in zip(unbroken.variables, resumed.variables, strict=True):
         np.testing.assert_array_equal(np.asarray(a.value), np.asarray(b.value), err_msg=a.path)
+
+
+class Subclassed(keras.Model):
+    """`build`'s layers in a model of no `build` of its own: built by its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+        self.hidden2 = keras.layers.Dense(16, activation="relu", name="hidden2")
+        self.head = keras.layers.Dense(4, name="head", dtype="float32")
+
+    def call(self, x, training=None):  # Keras hands it on to the layers inside.
+        return self.head(self.hidden2(self.hidden(x)))
+
+
+class Untrained(Subclassed):
+    def call(self, x):  # Keras' train step calls it without `training`, and the layers inside have none.
+        return self.head(self.hidden2(self.hidden(x)))
+
+
+def test_a_subclassed_model_not_yet_built_is_built_then_quantized(mirrored):
+    """Its layers exist only once it is called: tfmp.fit builds them from the data, as model.fit
+    does, before it quantizes them and builds the optimizer (it asked the user to build it)."""
+    tfmp.configure_precision("float8")
+    with mirrored.scope():
+        keras.utils.set_random_seed(0)
+        model = Subclassed()
+        model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert not model.built
+    tfmp.fit(model, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+    assert sorted(layer.name for layer in float8.quantized_layers(model)) == ["hidden", "hidden2"]
+    histories = {path: value for path, value in state(model, mirrored).items() if "inputs_amax_history" in path}
+    for path, (first, second) in histories.items():
+        np.testing.assert_array_equal(first, second, err_msg=path)
+    assert histories[f"{model.hidden.path}/inputs_amax_history"][0].max() > 100  # Replica 1's values.
+
+
+def test_float8_layers_never_called_in_training_are_warned_of(caplog):
+    """A model whose call takes no `training`: Keras' train step calls it without one, and its float8 layers'
+    input and kernel scales never move (model.fit leaves them at 1.0 too)."""
+    tfmp.configure_precision("float8")
+    for cls in (Subclassed, Untrained):
+        keras.utils.set_random_seed(0)
+        model = cls()
+        model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            tfmp.fit(model, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+        warned = [r.getMessage() for r in caplog.records if "takes no `training`" in r.getMessage()]
+        recorded = state(model)[f"{model.hidden.path}/inputs_amax_history"][0].max()
+        assert (recorded > 100, len(warned)) == ((True, 0) if cls is Subclassed else (False, 1)), (recorded, warned)
+
+
+def test_the_doctor_on_a_model_in_float8_leaves_its_scales_out_of_the_update():
+    """Its scales and amax histories have no gradient in the doctor's float32 pass: Keras'
+    optimizer warned at every step that they had none."""
+    tfmp.configure_precision("float8")
+    model = build()
+    tfmp.fit(model, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+    before = state(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diagnosis = tfmp.diagnose(model, data(repeat=1), steps=1)
+    assert [r["name"] for r in diagnosis.float8] == ["hidden", "hidden2"]
+    assert not [w for w in caught if "Gradients do not exist" in str(w.message)]
+    for path, value in state(model).items():
+        np.testing.assert_array_equal(value[0], before[path][0], err_msg=path)
 
 
 def test_quantize_refuses_a_model_whose_optimizer_is_built():

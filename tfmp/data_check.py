@@ -42,16 +42,25 @@ def check(model, element_spec, name="the data"):
         raise UsageError(f"{name} gives no targets, but the model was compiled with a loss: give (x, y) elements")
 
 
-def build_for(model, strategy, element_spec):
+def build_for(model, strategy, element_spec, before_optimizer=None):
     """Checks the data's structure against the model (`check`) and builds the model, its
-    compiled losses and metrics (their variables must exist before the step is traced)."""
+    compiled losses and metrics (their variables must exist before the step is traced).
+    `before_optimizer(model)`, where given, runs once the layers are built and before the
+    optimizer is (float8 adds variables that the optimizer must know)."""
     check(model, element_spec)
     with strategy.scope():
-        try:
-            keras_compat.symbolic_build(model, element_spec)  # What model.fit does first.
-        except (ValueError, TypeError) as e:
-            first = first_line(e, 300)
-            raise UsageError(f"the data does not fit the model or its compiled loss: {first}") from e
+        if before_optimizer is not None:
+            if not model.built:  # A subclassed model: its layers built by a symbolic call, as model.fit's build does.
+                _build(keras_compat.build_layers, model, element_spec)
+            before_optimizer(model)
+        _build(keras_compat.symbolic_build, model, element_spec)  # What model.fit does first.
+
+
+def _build(build, model, element_spec):
+    try:
+        build(model, element_spec)
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"the data does not fit the model or its compiled loss: {first_line(e, 300)}") from e
 
 
 def _named(layer_input):

@@ -54,8 +54,11 @@ def quantized_layers(model):
 
 
 def warn_frozen(model):
-    """One warning naming `model`'s float8 layers that are frozen (their scales no longer move), if any."""
-    frozen = [layer.path or layer.name for layer in quantized_layers(model) if not layer.trainable]
+    """One warning naming `model`'s float8 layers that are frozen (their scales no longer move), if any; one if no
+    float8 layer is called in training (`model`'s call takes no `training`): their inputs' and kernels' scales never
+    move either."""
+    layers = quantized_layers(model)
+    frozen = [layer.path or layer.name for layer in layers if not layer.trainable]
     if frozen:
         logging.warning(
             "float8 layers %s are frozen (trainable=False), and a float8 layer's scales move only as it trains: "
@@ -63,6 +66,14 @@ def warn_frozen(model):
             "a layer before its model is quantized (float8 leaves frozen layers in 16 bits), or exclude it "
             "(float8_exclude; train.py: --float8_exclude)",
             some_of(frozen),
+        )
+    if layers and not keras_compat.takes_training(model):
+        logging.warning(
+            "%s's call takes no `training` argument, so it is trained as Keras' train step calls it, without one: "
+            "its float8 layers never record their inputs' and kernels' amax, and those scales stay at 1.0 (inputs "
+            "beyond E4M3's 448 saturate; its Dropout and BatchNormalization layers, if any, run as in inference); "
+            "give its call a `training=None` argument (Keras hands it on to every layer inside)",
+            model.name,
         )
 
 

@@ -23,6 +23,7 @@ import re
 
 import keras
 import tensorflow as tf
+from keras.src.backend import compute_output_spec  # The symbolic call of Keras' build: `build_layers`.
 from keras.src.losses import loss as loss_module  # Keras' 1/replicas on each loss: `compute_loss`.
 from keras.src.saving.keras_saveable import KerasSaveable as Saveable  # noqa: F401 - see the docstring.
 from keras.src.utils import rng_utils  # Keras' record of the global seed.
@@ -46,6 +47,18 @@ def symbolic_build(model, element_spec):
         # Its metrics built, a result failed: one of no static shape (a host call's), which Keras' build reads and
         # model.fit on one device leaves to the first step. The rest built again, past the metrics.
         model._symbolic_build(data_batch=batch)  # noqa: SLF001
+
+
+def build_layers(model, element_spec):
+    """Builds `model`'s layers only, not its compiled loss and metrics nor its optimizer, by the symbolic call of
+    `model`'s inputs in `element_spec` that `model.fit`'s build makes."""
+    symbolic = keras.KerasTensor  # As Keras' build makes each: a spec's shape and dtype, a None's None.
+    batch = tf.nest.map_structure(
+        lambda spec: None if _holds_none(spec) else symbolic(spec.shape, keras.backend.standardize_dtype(spec.dtype)),
+        element_spec,
+    )
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    compute_output_spec(model, x, training=False)
 
 
 def _holds_none(spec):
@@ -163,9 +176,15 @@ def compiled_jit_compile(model):
     return None if chosen == bool(model._resolve_auto_jit_compile()) else chosen  # noqa: SLF001
 
 
+def takes_training(model):
+    """Whether `model`'s `call` takes a `training` argument. Keras' train step gives one only then, and layers
+    inside read it (a Dropout's, a float8 layer's amax) from the call of an outer one: without, none has it."""
+    return model._call_has_training_arg  # noqa: SLF001
+
+
 def call(model, x, training):
-    """`model(x, training=training)`, or `model(x)` where its `call` takes no `training`."""
-    return model(x, training=training) if model._call_has_training_arg else model(x)  # noqa: SLF001
+    """`model(x, training=training)`, or `model(x)` where its `call` takes no `training`, as Keras' train step calls."""
+    return model(x, training=training) if takes_training(model) else model(x)
 
 
 @contextlib.contextmanager

@@ -277,9 +277,9 @@ def prepare(
     optimizer (tfmp's loss-scale wrapper where float16 needs one), and returns its `Steps`.
     With `evaluating=True`, the steps kept for the model are taken whatever they train with
     (as `model.evaluate` leaves `model.train_function` be): no compiled update is lost."""
-    if precision.float8_enabled() and not float8.decided(model):
-        float8.quantize(model)  # Before the optimizer is built: it must know the float8 state.
-    data_check.build_for(model, strategy, element_spec)
+    # float8 quantizes built layers before the optimizer is built: it must know their float8 state.
+    quantize = float8.quantize if precision.float8_enabled() and not float8.decided(model) else None
+    data_check.build_for(model, strategy, element_spec, before_optimizer=quantize)
     loss_scale.for_model(model, strategy)
     # Compiled steps are kept with the model, as Keras keeps `model.train_function`: a
     # second fit (or evaluate) with the same setup traces and compiles nothing again.

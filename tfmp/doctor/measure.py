@@ -63,7 +63,9 @@ def diagnose(model, data, steps=8):
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
         with model.distribute_strategy.scope():
             optimizer = keras_optimizers.fresh_optimizer(model.optimizer)
-        variables = list(model.trainable_variables)
+        # Not float8's scales and amax histories (a quantized model's): its delayed scaling is measured apart, and
+        # Keras' optimizer warned at every step that they had no gradient.
+        variables = [v for v in model.trainable_variables if not float8.is_state(v)]
         compensated = bf16.holds_bfloat16(model)
         if compensated:  # As tfmp.fit updates them: Keras' own update rounds Adam's beta_2 to 1 and moves none.
             optimizer = _compensated(optimizer, variables, model.distribute_strategy)
@@ -259,7 +261,9 @@ def localize_non_finite(model, batch, loss_scale=None):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     with Session(model) as session:
         layers = session.layers
-        variables = list(model.trainable_variables)
+        # Not float8's scales and amax histories (a quantized model's): its delayed scaling is measured apart, and
+        # Keras' optimizer warned at every step that they had no gradient.
+        variables = [v for v in model.trainable_variables if not float8.is_state(v)]
         with tf.GradientTape() as tape:
             loss = model_loss(model, y, session.forward(x), sample_weight) * (loss_scale or 1.0)
         finished = list(session.calls.finished)
