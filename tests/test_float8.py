@@ -173,6 +173,17 @@ def test_a_subclassed_model_not_yet_built_is_built_then_quantized(mirrored):
     assert histories[f"{model.hidden.path}/inputs_amax_history"][0].max() > 100  # Replica 1's values.
 
 
+def test_the_doctor_before_the_fit_of_a_subclassed_model_not_yet_built():
+    """The doctor built the model as model.fit does, its optimizer too, and float8 could not quantize it after."""
+    tfmp.configure_precision("float8")
+    model = Subclassed()
+    model.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    diagnosis = tfmp.diagnose(model, data(repeat=1), steps=1)
+    assert [r["name"] for r in diagnosis.float8] == [model.hidden.path, model.hidden2.path]
+    tfmp.fit(model, data(repeat=1), epochs=1, jit_compile=False, verbose=0)
+    assert sorted(layer.name for layer in float8.quantized_layers(model)) == ["hidden", "hidden2"]
+
+
 def test_float8_layers_never_called_in_training_are_warned_of(caplog):
     """A model whose call takes no `training`: Keras' train step calls it without one, and its float8 layers'
     input and kernel scales never move (model.fit leaves them at 1.0 too)."""

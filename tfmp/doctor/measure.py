@@ -56,8 +56,9 @@ def diagnose(model, data, steps=8):
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
         raise UsageError(f"diagnose reads a dataset, arrays (x, y), a PyDataset or a generator, not a {kind}")
-    if not model.built:  # Built as model.fit builds it: a first call watched would record symbolic tensors.
-        keras_compat.symbolic_build(model, data.element_spec)
+    if not model.built:  # Its layers built as model.fit builds them: a first call watched would record symbolic
+        # tensors. Not its optimizer (the doctor updates with a copy): float8 could not quantize the model after.
+        keras_compat.build_layers(model, data.element_spec)
     with Session(model) as session:
         layers, calls = session.layers, session.calls
         dtypes = [layer.compute_dtype for layer in layers]  # The model's own, before float32.
