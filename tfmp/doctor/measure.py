@@ -262,9 +262,7 @@ def localize_non_finite(model, batch, loss_scale=None):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
     with Session(model) as session:
         layers = session.layers
-        # Not float8's scales and amax histories (a quantized model's): its delayed scaling is measured apart, and
-        # Keras' optimizer warned at every step that they had no gradient.
-        variables = [v for v in model.trainable_variables if not float8.is_state(v)]
+        variables = list(model.trainable_variables)
         with tf.GradientTape() as tape:
             loss = model_loss(model, y, session.forward(x), sample_weight) * (loss_scale or 1.0)
         finished = list(session.calls.finished)
