@@ -139,7 +139,7 @@ def test_resume_restores_the_float8_state_exactly(tmp_path):
 
 
 class Subclassed(keras.Model):
-    """`build`'s layers in a model of no `build` of its own: built by its first call."""
+    """`build()`'s three layers in a subclassed model without a `build` method: its first call builds them."""
 
     def __init__(self):
         super().__init__()
