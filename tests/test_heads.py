@@ -81,3 +81,20 @@ def test_float16_weights_are_named_by_the_audit_and_by_fit(caplog):
     with caplog.at_level("WARNING"):
         tfmp.fit(model, np.ones((8, 4), "float32"), np.ones((8, 2), "float32"), verbose=0)
     assert words in caplog.text
+
+
+def test_the_audit_and_the_doctor_print_each_layer_path_whole():
+    """Paths longer than the column (a wrapped RNN's, 32-64 characters here) are printed whole, not cut to a
+    prefix that several layers share."""
+    keras.utils.set_random_seed(0)
+    encoder = keras.layers.Bidirectional(keras.layers.LSTM(3, name="encoder_lstm"), name="bidirectional_encoder")
+    model = keras.Sequential([keras.Input((6, 2)), encoder, keras.layers.Dense(1, name="out")], name="long_names")
+    model.compile("adam", "mse")
+    x = np.random.default_rng(0).random((16, 6, 2), dtype=np.float32)
+    diagnosis = tfmp.diagnose(model, (x, x[:, 0, :1]), steps=1)
+    for table, paths in (
+        (tfmp.audit(model).table(), [r["path"] for r in tfmp.audit(model).layers]),
+        (diagnosis.table(), [r["name"] for r in diagnosis.layers]),
+    ):
+        assert max(map(len, paths)) > 32 and len(set(paths)) == len(paths) == 6
+        assert [line.split()[0] for line in table.splitlines()[1:7]] == paths

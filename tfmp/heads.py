@@ -75,9 +75,10 @@ class Audit(list):
 
     def table(self):
         """Each layer and the dtype it computes in, then the problems."""
-        lines = [f"{'layer':32s} {'class':22s} {'compute':9s} {'variables':9s} matmul"]
+        width = max([32, *(len(r["path"]) for r in self.layers)])  # Whole paths: no two cut to one prefix.
+        lines = [f"{'layer':{width}s} {'class':22s} {'compute':9s} {'variables':9s} matmul"]
         lines += [
-            f"{r['path'][:32]:32s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']:9s} "
+            f"{r['path']:{width}s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']:9s} "
             f"{'float8' if r['float8'] else '-'}"
             for r in self.layers
         ]

@@ -70,8 +70,9 @@ class Diagnosis:
     def table(self):
         """The console table."""
         scale = self.recommended_loss_scale
+        width = _name_width(self.layers)
         head = (
-            f"{'layer':24s} {'dtype':8s} {'max |out|':>10s} {'max |grad|':>10s} "
+            f"{'layer':{width}s} {'dtype':8s} {'max |out|':>10s} {'max |grad|':>10s} "
             f"{'<2^-24 @1':>9s} {'<2^-14 @1':>9s} {f'<2^-24 @2^{int(math.log2(scale))}':>11s} {'bf16 err':>8s} "
             f"{'bf16 lost':>9s}"
         )
@@ -90,7 +91,7 @@ class Diagnosis:
             else:  # No trainable weight of its own (an RNN's are its cell's, a row of their own).
                 grads, lost = f"{'-':>10s} {'-':>9s} {'-':>9s} {'-':>11s}", f"{'-':>9s}"
             lines.append(
-                f"{r['name'][:24]:24s} {r['compute_dtype']:8s} {r['output_max_abs']:10.3g} {grads} "
+                f"{r['name']:{width}s} {r['compute_dtype']:8s} {r['output_max_abs']:10.3g} {grads} "
                 f"{r['bfloat16_relative_error']:8.1%} {lost}{mark}"
             )
         lines.append(f"keep in float32: {', '.join(self.keep_float32) or 'none'}")
@@ -109,15 +110,16 @@ class Diagnosis:
         return "\n".join(lines)
 
     def _float8_lines(self):
+        width = _name_width(self.float8)
         lines = [
             "float8 matmuls, delayed scaling (flushed: non-zero values lost to zero; saturated: clipped at the "
             "format's maximum; after the first step):",
-            f"  {'layer':24s} {'inputs E4M3 amax':>16s} {'flushed':>8s} {'satur.':>7s} {'kernel amax':>11s} "
+            f"  {'layer':{width}s} {'inputs E4M3 amax':>16s} {'flushed':>8s} {'satur.':>7s} {'kernel amax':>11s} "
             f"{'flushed':>8s} {'grads E5M2 amax':>15s} {'flushed':>8s} {'satur.':>7s}",
         ]
         for r in self.float8:
             lines.append(
-                f"  {r['name'][:24]:24s} {r['inputs_amax']:16.3g} {r['inputs_flushed']:8.2%} "
+                f"  {r['name']:{width}s} {r['inputs_amax']:16.3g} {r['inputs_flushed']:8.2%} "
                 f"{r['inputs_saturated']:7.2%} "
                 f"{r['kernel_amax']:11.3g} {r['kernel_flushed']:8.2%} {r['output_gradients_amax']:15.3g} "
                 f"{r['output_gradients_flushed']:8.2%} {r['output_gradients_saturated']:7.2%}"
@@ -167,3 +169,9 @@ def _names(names, most=6):
     if len(names) <= most:
         return repr(list(names))
     return f"[{', '.join(map(repr, names[:most]))}, ... {len(names)} in all]"
+
+
+def _name_width(rows, least=24):
+    """The layer column's width: each name whole, so that two layers cut to one prefix stay apart
+    (`bidirectional/forward_lstm` and `bidirectional/forward_lstm/lstm_cell`)."""
+    return max([least, *(len(r["name"]) for r in rows)])
