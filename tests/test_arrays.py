@@ -202,6 +202,7 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
     "args, kwargs, words",
     [
         ((arrays()[0],), {}, "data holds inputs only"),
+        ((arrays() * 2,), {}, r"^data is a tuple of 4 arrays: give \(x, y\) or \(x, y, sample_weight\), x a tuple"),
         (arrays(), {"validation_split": 1.5}, r"validation_split must be in \[0, 1\)"),
         (arrays(), {"validation_split": 0.999}, "leaves no training or validation data"),
         (arrays(), {"validation_split": 0.2, "validation_data": arrays()}, "not both"),

@@ -110,6 +110,7 @@ def _ones(*shape):
             r"^the model's input takes shape \(None, 3\) but validation_data gives \(None, 5\)",
         ),
         (_ones(8, 3), r"^validation_data holds inputs only: give the targets too, \(x_val, y_val\)$"),
+        ([_ones(8, 3), _ones(8, 1), _ones(8), _ones(8)], r"^validation_data is a list of 4 arrays: give \(x, y\) or"),
         ([_ones(8, 3)], "^validation_data gives no targets, but the model was compiled with a loss"),
         (tf.data.Dataset.from_tensor_slices(_ones(8, 3)).batch(4), "^validation_data gives no targets"),
         (

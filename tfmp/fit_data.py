@@ -55,6 +55,8 @@ def datasets(
         data, shuffle = pydata.to_dataset(data, shuffle, seed, default_shuffle=training, keep=training), None
     if pydata.is_python_data(validation_data):
         validation_data = pydata.to_dataset(validation_data, False, seed, "validation_data")
+    if targets:
+        _check_tuple_length("validation_data", validation_data)
     if is_array_structure(validation_data) and not is_arrays(validation_data):  # x alone, as model.fit takes it.
         if targets:
             raise UsageError("validation_data holds inputs only: give the targets too, (x_val, y_val)")
@@ -62,6 +64,8 @@ def datasets(
     given = {"y": y, "batch_size": batch_size, "shuffle": shuffle, "sample_weight": sample_weight}
     given["validation_split"] = validation_split or None
     arrays = None
+    if y is None and targets:  # (Without a compiled loss, a list of arrays may be x alone: several inputs.)
+        _check_tuple_length("data", data)
     if y is not None and is_array_structure(data):
         arrays = (data, y)  # tfmp.fit(model, x, y), as model.fit(x, y).
     elif is_arrays(data):
@@ -112,6 +116,16 @@ def keras_batch(arrays, steps):
     if is_count(steps, 1):
         return -(-num_examples(arrays) // int(steps))
     return 32
+
+
+def _check_tuple_length(name, data):
+    """UsageError for a tuple or list of arrays longer than (x, y, sample_weight), for a model with a compiled loss
+    (several inputs go in x as a tuple of their own, or a dict); `model.fit` refuses such validation_data too."""
+    if isinstance(data, tuple | list) and len(data) > 3 and is_array_structure(data):
+        raise UsageError(
+            f"{name} is a {type(data).__name__} of {len(data)} arrays: give (x, y) or (x, y, sample_weight), "
+            "x a tuple or dict of its own for several inputs"
+        )
 
 
 def _check_batch(name, batch):
