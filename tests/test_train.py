@@ -1,6 +1,7 @@
 """End-to-end: the real train.py binary, and train_and_evaluate under real strategies."""
 
 import csv
+import io
 import json
 import math
 import os
@@ -70,6 +71,17 @@ def test_model_dir_that_is_a_file(tmp_path):
     blocker.write_text("")
     with pytest.raises(UsageError, match="is inside a file"):
         training.train_and_evaluate(training.Config(model_dir=str(blocker / "run"), epochs=1))
+
+
+def test_a_run_too_short_to_time_says_so(tmp_path):
+    """The first step is not timed (tracing); a run of one had said "0 train examples/s" and written 0.0."""
+    out = io.StringIO()
+    config = training.Config(
+        model="cnn", dataset="synthetic", precision="float32", epochs=1, steps_per_epoch=1, model_dir=str(tmp_path)
+    )
+    metrics = training.train_and_evaluate(config, out=out)
+    assert metrics["steps"] == 1 and metrics["examples_per_second"] is None
+    assert "(too few steps to time the throughput; 0 skipped steps" in out.getvalue(), out.getvalue()
 
 
 def test_mirrored_two_replicas_float16(tmp_path):

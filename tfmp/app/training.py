@@ -203,7 +203,7 @@ def _record(config, run, model, fitted, say):
         "jit_compile_reason": params["jit_compile_reason"],
         **_plan_metrics(run.strategy, run.plan),
         "lr_schedule": config.lr_schedule,
-        "examples_per_second": rate,
+        "examples_per_second": rate or None,  # None: too few steps to time (the first is not).
         "train_seconds": seconds,
         "epochs": config.epochs,
         "steps_per_epoch": run.steps,
@@ -220,7 +220,7 @@ def _record(config, run, model, fitted, say):
     if os.path.exists(history_path):
         metrics["plot"] = report.plot_history(history_path, os.path.join(run.model_dir, "training.png"))
     path = os.path.join(run.model_dir, "metrics.json")
-    trained = f"{rate:,.0f} train examples/s"
+    trained = f"{rate:,.0f} train examples/s" if rate else "too few steps to time the throughput"
     if run.start >= run.batches:  # A finished run, evaluated again.
         metrics.update(_training_figures(path))
         trained = f"nothing left to train: its {run.start} batches ran before"
