@@ -147,8 +147,13 @@ def parse(argv):
         if options.index is None:
             parser.error("--hosts needs --index (this host's place in the list)")
         hosts = options.hosts.split(",")
-        if not 0 <= options.index < len(hosts) or any(h.count(":") != 1 for h in hosts):
-            parser.error(f"--index={options.index} must be in 0..{len(hosts) - 1}, --hosts HOST:PORT entries")
+        for host in hosts:
+            name, _, port = host.rpartition(":")
+            if not name or ":" in name or not port.isdigit():
+                parser.error(f"--hosts: {host!r} is not HOST:PORT (each worker's address and port, e.g. 10.0.0.1:2222)")
+        if not 0 <= options.index < len(hosts):
+            named = f"{len(hosts)} worker{'s' if len(hosts) > 1 else ''}"
+            parser.error(f"--index={options.index} must be in 0..{len(hosts) - 1}: --hosts names {named}")
     elif options.workers < 1:
         parser.error(f"--workers must be >= 1, got {options.workers}")
     for name in ("grace_seconds", "stall_timeout", "startup_timeout"):
