@@ -190,8 +190,9 @@ def test_parity_within_and_beyond_noise():
     assert same["within_noise"] and same["difference"] == 0.0
     worse = doctor.parity(lambda policy, seed: 0.80 + 0.001 * seed - (0.05 if policy != "float32" else 0), seeds=3)
     assert not worse["within_noise"] and worse["difference"] == pytest.approx(-0.05)
-    with pytest.raises(tfmp.UsageError, match="at least 2 seeds"):
-        doctor.parity(lambda policy, seed: 1.0, seeds=1)
+    for kwargs, words in (({"seeds": 1}, "at least 2 seeds"), ({"policies": ("bfloat16",) * 2}, "two different")):
+        with pytest.raises(tfmp.UsageError, match=words):
+            doctor.parity(lambda policy, seed: 1.0, **kwargs)
 
 
 class Energy(keras.layers.Layer):

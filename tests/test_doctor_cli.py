@@ -32,6 +32,7 @@ def test_doctor_command_errors_in_one_line_and_lists_its_flags():
         "--steps=0": "flag --steps=0: 0 is not a positive integer",
         "--learning_rate=nan": "flag --learning_rate=nan: must be a positive finite number",
         "--parity --seeds=1": "flags parity=True, seeds=1: --parity measures the noise over the seeds: give --seeds=2",
+        "--policy=float8 --baseline=float8": "flags policy=float8, baseline=float8: --parity compares --policy with",
     }
     for args, message in wrong.items():
         result = entry_point_process(run, *args.split())

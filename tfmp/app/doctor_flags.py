@@ -46,4 +46,9 @@ def define():
         lambda f: not f["parity"] or f["seeds"] >= 2,
         "--parity measures the noise over the seeds: give --seeds=2 or more",
     )
+    flags.register_multi_flags_validator(
+        ["policy", "baseline"],
+        lambda f: f["baseline"] != f["policy"],
+        "--parity compares --policy with another policy: give a --baseline other than --policy",
+    )
     flags.register_validator("learning_rate", lambda v: math.isfinite(v) and v > 0, "must be a positive finite number")

@@ -309,6 +309,8 @@ def parity(run, seeds=3, policies=("float32", "mixed_bfloat16")):
     """
     if seeds < 2:
         raise UsageError(f"parity needs at least 2 seeds to measure the noise, got {seeds}")
+    if len(policies) != 2 or policies[0] == policies[1]:
+        raise UsageError(f"parity compares two different policies, got {tuple(policies)}")
     result = {}
     for policy in policies:
         accuracies = [float(run(policy, seed)) for seed in range(seeds)]
