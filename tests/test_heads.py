@@ -45,9 +45,10 @@ def test_audit_finds_sigmoid_cast_to_float32_after_the_fact():
     del x
 
 
-def test_head_rejects_one_class():
-    with pytest.raises(ValueError, match="num_classes must be >= 2"):
-        tfmp.classification_head(1)
+@pytest.mark.parametrize("num_classes", [1, 0, 2.5, "10", True])
+def test_head_rejects_what_is_not_two_classes_or_more(num_classes):
+    with pytest.raises(tfmp.UsageError, match=f"^num_classes must be an integer >= 2, got {num_classes!r}$"):
+        tfmp.classification_head(num_classes)
 
 
 def test_a_model_made_before_the_policy_is_named_by_the_audit_and_by_fit(caplog):

@@ -4,7 +4,7 @@ import keras
 from absl import logging
 
 from tfmp import keras_compat
-from tfmp.errors import some_of
+from tfmp.errors import UsageError, is_count, some_of
 
 _LOW = ("float16", "bfloat16")
 _SQUASHERS = ("softmax", "sigmoid")
@@ -28,8 +28,8 @@ class ClassificationHead(keras.layers.Layer):
 
     def __init__(self, num_classes, **kwargs):
         super().__init__(**kwargs)
-        if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+        if not is_count(num_classes, 2):
+            raise UsageError(f"num_classes must be an integer >= 2, got {num_classes!r}")
         self.num_classes = num_classes
         self.logits = keras.layers.Dense(num_classes, dtype=self.dtype_policy, name="logits")
         self.softmax = keras.layers.Activation("softmax", dtype="float32", name="softmax")
