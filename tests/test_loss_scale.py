@@ -57,6 +57,17 @@ def test_compile_does_not_wrap_twice():
     assert int(wrapped.iterations.numpy()) == 4
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "float32"])
+def test_an_optimizer_named_as_compile_takes_it_is_wrapped_and_anything_else_refused(policy):
+    keras.config.set_dtype_policy(policy)
+    wrapped = tfmp.wrap_optimizer("adamw", initial_scale=8.0)
+    inner = wrapped.inner_optimizer if policy == "mixed_float16" else wrapped
+    assert isinstance(inner, keras.optimizers.AdamW) and (policy == "float32" or wrapped.initial_scale == 8.0)
+    for given, words in (("adamm", "wrap_optimizer: 'adamm' names no Keras optimizer"), (None, "got NoneType")):
+        with pytest.raises(UsageError, match=words):  # Under mixed_float16 these had raised AttributeError.
+            tfmp.wrap_optimizer(given)
+
+
 @pytest.mark.parametrize(
     "kwargs", [{"initial_scale": 0}, {"initial_scale": float("inf")}, {"growth_steps": 0}, {"growth_steps": 1.5}]
 )

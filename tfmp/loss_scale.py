@@ -94,7 +94,7 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
     and step count too.
 
     Args:
-        optimizer: a Keras optimizer.
+        optimizer: a Keras optimizer, or its name as `model.compile` takes it ("adam").
         initial_scale: the starting loss scale (default 2**15, or the re-wrapped one's).
         growth_steps: finite steps in a row after which the scale doubles (default 2000,
             or the re-wrapped one's).
@@ -106,9 +106,16 @@ def wrap_optimizer(optimizer, initial_scale=None, growth_steps=None, *, model=No
         given), else `optimizer` itself.
 
     Raises:
-        UsageError: if `initial_scale` is not a positive finite number or `growth_steps`
-            is not an integer >= 1.
+        UsageError: if `optimizer` is neither, `initial_scale` is not a positive finite number
+            or `growth_steps` is not an integer >= 1.
     """
+    if isinstance(optimizer, str):
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except ValueError as e:
+            raise UsageError(f"wrap_optimizer: {optimizer!r} names no Keras optimizer") from e
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise UsageError(f"wrap_optimizer takes a Keras optimizer or its name, got {type(optimizer).__name__}")
     if initial_scale is not None and not (0 < initial_scale < float("inf")):
         raise UsageError(f"wrap_optimizer: initial_scale must be a positive finite number, got {initial_scale}")
     if growth_steps is not None and (int(growth_steps) != growth_steps or growth_steps < 1):
