@@ -222,6 +222,9 @@ def test_quantize_refuses_a_model_whose_optimizer_is_built():
     model.fit(X, Y, epochs=1, verbose=0)
     with pytest.raises(tfmp.UsageError, match="optimizer .* was built"):
         float8.quantize(model)
+    for call, name in ((float8.quantize, "float8.quantize"), (tfmp.audit, "audit")):
+        with pytest.raises(tfmp.UsageError, match=f"^{name} takes a [kK]eras.*, got str$"):  # Not an AttributeError.
+            call("model")
 
 
 def test_doctor_names_the_layer_float8_would_flush():

@@ -1,5 +1,6 @@
 import logging
 import random
+import re
 
 import keras
 import numpy as np
@@ -41,7 +42,7 @@ def test_deterministic_turns_on_op_determinism_and_the_log_says_what_holds(caplo
     assert said == ["Seed 1 (op determinism off)", "Seed 1 (op determinism on)", "Seed 2 (op determinism on)"]
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5])
+@pytest.mark.parametrize("bad", [-1, 1.5, "7", None, float("nan"), float("inf")])
 def test_bad_seed(bad):
-    with pytest.raises(UsageError, match="seed"):
+    with pytest.raises(UsageError, match=f"^seed must be a non-negative integer, got {re.escape(repr(bad))}$"):
         set_seed(bad)

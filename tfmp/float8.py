@@ -124,8 +124,10 @@ def quantize(model, exclude=(), *, named="float8 exclude"):
         The paths of the layers now running in float8.
 
     Raises:
-        UsageError: the model is not built, or its optimizer has already trained it.
+        UsageError: `model` is not a built Keras model, or its optimizer has already trained it.
     """
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"float8.quantize takes a keras.Model, got {type(model).__name__}")
     if not model.built:
         raise UsageError(f"float8: build {model.name} first (call it on a batch) so that its layers can be quantized")
     # A typo would leave its layer in float8.

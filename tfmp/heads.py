@@ -140,6 +140,8 @@ def audit(model):
         and none is squashed in float16/bfloat16; its `layers` and `table()` show each
         layer's compute dtype (after `tfmp.keep_float32(model, ...)` too).
     """
+    if not isinstance(model, keras.layers.Layer):
+        raise UsageError(f"audit takes a Keras model (or layer), got {type(model).__name__}")
     layers = [
         {
             "path": layer.path or layer.name,

@@ -21,7 +21,11 @@ def set_seed(seed, deterministic=False):
     Raises:
         UsageError: for a negative or non-integer seed.
     """
-    if int(seed) != seed or seed < 0:
+    try:
+        whole = not isinstance(seed, str) and int(seed) == seed and seed >= 0
+    except (TypeError, ValueError, OverflowError):  # None, nan, inf.
+        whole = False
+    if not whole:
         raise UsageError(f"seed must be a non-negative integer, got {seed!r}")
     keras.utils.set_random_seed(int(seed))  # python `random`, numpy and TensorFlow.
     if deterministic:
