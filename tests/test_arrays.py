@@ -225,11 +225,19 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
         ((arrays()[0], arrays()[1].tolist()), {}, "y holds Python numbers where arrays go"),
         ((arrays()[0].tolist(), arrays()[1]), {}, "data holds Python numbers where arrays go"),
         (arrays(), {"sample_weight": [1.0] * 256}, "sample_weight holds Python numbers"),
+        (arrays(), {"strategy": "mirrored"}, r"^tfmp.fit: strategy takes a tf.distribute.Strategy, got str: make one"),
+        (arrays(), {"checkpoint_dir": 3}, "^checkpoint_dir must be a directory's path, got int$"),
     ],
 )
 def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
     with pytest.raises(UsageError, match=words):
         tfmp.fit(regression(), *args, verbose=0, **kwargs)
+
+
+def test_evaluate_refuses_what_is_no_model_or_no_strategy():
+    for model, strategy, words in (("model", None, "takes a keras.Model, got str"), (regression(), 2, "got int")):
+        with pytest.raises(UsageError, match=words):  # Not an AttributeError.
+            tfmp.evaluate(model, *arrays(), strategy=strategy)
 
 
 def test_an_unknown_keyword_is_a_type_error_as_python_says():

@@ -5,6 +5,7 @@ import math
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfmp import distribute, run_directory, tf_compat, xla
 from tfmp.errors import UsageError, is_count
@@ -19,6 +20,20 @@ def given_data(data, x, caller):
     if data is None and x is None:
         raise UsageError(f"{caller} needs data: a dataset, a PyDataset, a generator or arrays (model.fit's x)")
     return x if data is None else data
+
+
+def strategy_for(model, strategy, caller):
+    """`strategy`, else the one `model` was built under; UsageError for a `model` that is no Keras model or a
+    `strategy` that is no tf.distribute strategy (a name: tfmp.get_strategy makes one)."""
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"{caller} takes a keras.Model, got {type(model).__name__}")
+    if strategy is not None and not isinstance(strategy, tf.distribute.Strategy):
+        made = f"tfmp.get_strategy({strategy!r})" if isinstance(strategy, str) else "tfmp.get_strategy(NAME)"
+        raise UsageError(
+            f"{caller}: strategy takes a tf.distribute.Strategy, got {type(strategy).__name__}: make one with "
+            f"{made} and build the model in its scope"
+        )
+    return strategy or model.distribute_strategy
 
 
 def callback_list(given):
@@ -44,8 +59,7 @@ def refuse_own_step(model, step, replaced_by, instead):
 def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accum_steps, clipnorm, **kw):
     """Raises UsageError for anything wrong before touching the model; returns the strategy and the callbacks as a
     list (`callback_list`)."""
-    if not isinstance(model, keras.Model):
-        raise UsageError(f"tfmp.fit takes a keras.Model, got {type(model).__name__}")
+    strategy = strategy_for(model, strategy, "tfmp.fit")
     if not getattr(model, "compiled", False) or model.optimizer is None:
         raise UsageError("tfmp.fit needs a compiled model: call model.compile(optimizer, loss, metrics) first")
     refuse_own_step(model, "train_step", "tfmp.fit", "train it with model.fit")
@@ -86,8 +100,6 @@ def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accu
         )
     xla.check(kw["jit_compile"])
     check_verbose(kw["verbose"])
-    built_under = model.distribute_strategy
-    strategy = strategy or built_under
     variables = model.weights
     if variables and not strategy.extended.variable_created_in_scope(variables[0].value):
         raise UsageError(

@@ -49,7 +49,7 @@ def evaluate(
         first and each metric in the model's order; with `return_dict=True`, a dict of them by name.
     """
     data = arguments.given_data(data, x, "tfmp.evaluate")
-    strategy = strategy or model.distribute_strategy
+    strategy = arguments.strategy_for(model, strategy, "tfmp.evaluate")
     tf_compat.own_collective_keys(strategy)
     if not getattr(model, "compiled", False):
         raise UsageError("tfmp.evaluate needs a compiled model: call model.compile(optimizer, loss, metrics) first")

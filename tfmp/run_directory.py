@@ -177,6 +177,8 @@ def check_writable(path, flag):
     parent. It creates no directory: nothing is left behind, and several workers checking
     one shared path at once cannot remove a directory another has just made.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise UsageError(f"{flag} must be a directory's path, got {type(path).__name__}")
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
