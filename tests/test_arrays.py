@@ -234,10 +234,12 @@ def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
         tfmp.fit(regression(), *args, verbose=0, **kwargs)
 
 
-def test_evaluate_refuses_what_is_no_model_or_no_strategy():
+def test_evaluate_refuses_what_is_no_model_no_strategy_or_no_count_of_steps():
     for model, strategy, words in (("model", None, "takes a keras.Model, got str"), (regression(), 2, "got int")):
         with pytest.raises(UsageError, match=words):  # Not an AttributeError.
             tfmp.evaluate(model, *arrays(), strategy=strategy)
+    with pytest.raises(UsageError, match=r"^steps must be None or an integer >= 0, got 2.5$"):  # Not TensorFlow's.
+        tfmp.evaluate(regression(), *arrays(), steps=2.5)
 
 
 def test_an_unknown_keyword_is_a_type_error_as_python_says():

@@ -4,7 +4,7 @@ import keras
 
 from tfmp import arguments, data_check, fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp import callbacks as tfmp_callbacks
-from tfmp.errors import UsageError
+from tfmp.errors import UsageError, is_count
 from tfmp.run import evaluated_nothing, runs_once
 
 
@@ -56,6 +56,8 @@ def evaluate(
     arguments.refuse_own_step(model, "test_step", "tfmp.evaluate", "evaluate it with model.evaluate")
     xla.check(jit_compile)
     arguments.check_verbose(verbose)
+    if steps is not None and not is_count(steps, 0):  # 0, as None: every batch (model.evaluate's).
+        raise UsageError(f"steps must be None or an integer >= 0, got {steps!r}")
     data, _ = fit_data.datasets(
         data,
         y,
