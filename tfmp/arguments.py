@@ -4,7 +4,6 @@ clear error each, where Keras would fail later or in its own words."""
 import math
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfmp import distribute, run_directory, tf_compat, xla
@@ -80,7 +79,7 @@ def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accu
     if not listed or not all(is_count(f, 1) for f in listed):
         raise UsageError(f"validation_freq must be an integer >= 1 or a list of epochs (from 1), got {freq!r}")
     for name, value in (("steps_per_epoch", steps_per_epoch), ("validation_steps", kw["validation_steps"])):
-        if value is not None and (not isinstance(value, int | np.integer) or value < 1):
+        if value is not None and not is_count(value, 1):
             raise UsageError(f"{name} must be None or an integer >= 1, got {value!r}")
     if steps_per_epoch and steps_per_epoch % grad_accum_steps:
         raise UsageError(
