@@ -227,6 +227,7 @@ def test_inputs_alone_train_a_model_whose_layers_add_its_loss():
         (arrays(), {"sample_weight": [1.0] * 256}, "sample_weight holds Python numbers"),
         (arrays(), {"strategy": "mirrored"}, r"^tfmp.fit: strategy takes a tf.distribute.Strategy, got str: make one"),
         (arrays(), {"checkpoint_dir": 3}, "^checkpoint_dir must be a directory's path, got int$"),
+        (arrays(), {"steps_per_epoch": True}, "^steps_per_epoch must be None or an integer >= 1, got True$"),
     ],
 )
 def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
