@@ -235,6 +235,13 @@ def test_bad_arrays_and_array_arguments_beside_a_dataset(args, kwargs, words):
         tfmp.fit(regression(), *args, verbose=0, **kwargs)
 
 
+def test_a_bad_steps_per_execution_from_compile_is_named_as_compiles():
+    model = regression()
+    model.compile("sgd", "mse", steps_per_execution="auto")  # Keras 2's; Keras 3's fit fails on it in range().
+    with pytest.raises(UsageError, match=r"^steps_per_execution .*, got 'auto' \(the model's compile gave it\)$"):
+        tfmp.fit(model, *arrays(), verbose=0)
+
+
 def test_evaluate_refuses_what_is_no_model_no_strategy_or_no_count_of_steps():
     for model, strategy, words in (("model", None, "takes a keras.Model, got str"), (regression(), 2, "got int")):
         with pytest.raises(UsageError, match=words):  # Not an AttributeError.

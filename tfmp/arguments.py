@@ -73,7 +73,9 @@ def check_fit(model, strategy, epochs, initial_epoch, steps_per_epoch, grad_accu
         ("log_every", kw["log_every"], 1),
     ):
         if not is_count(value, low):
-            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+            compiled = name == "steps_per_execution" and value is getattr(model, name, None)
+            whose = " (the model's compile gave it)" if compiled else ""
+            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}{whose}")
     freq = kw["validation_freq"]
     listed = list(freq) if isinstance(freq, list | tuple) else [freq]  # Keras' list: the epochs that validate.
     if not listed or not all(is_count(f, 1) for f in listed):
