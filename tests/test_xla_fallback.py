@@ -178,8 +178,8 @@ def test_a_model_of_string_input_is_told_that_xla_takes_no_strings():
     model.compile(keras.optimizers.SGD(0.1), "mse")
     history = tfmp.fit(model, words, np.arange(64, dtype="float32") % 2, jit_compile=True, verbose=0)
     assert history.params["jit_compile_reason"] == (
-        "XLA cannot compile this model: its input holds string tensors, which XLA does not take "
-        "(make them numbers in the input pipeline)"
+        "XLA cannot compile this model: its input holds string tensors, which XLA does not take; "
+        "make them numbers in the input pipeline"
     )
 
 

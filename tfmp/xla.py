@@ -124,7 +124,7 @@ def reason(error):
     taken = re.search(r"Requested Attributes: T=DT_(\w+)", text)
     if unsupported and unsupported.group(1) == "_Arg" and taken:  # The step's own input.
         kind = taken.group(1).lower()
-        return f"its input holds {kind} tensors, which XLA does not take (make them numbers in the input pipeline)"
+        return f"its input holds {kind} tensors, which XLA does not take; make them numbers in the input pipeline"
     if unsupported:
         return f"no XLA kernel for {unsupported.group(1)}{xla_kernels.made_at(text)}"
     determinism = re.search(r"(?:GPU )?(\w[\w ]*?) do(?:es)? not yet have a deterministic XLA implementation", text)
