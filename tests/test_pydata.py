@@ -330,3 +330,30 @@ def test_batches_are_copies_never_views_of_the_users_arrays():
     is_batch, x, y = loader(np.int64(1))
     assert is_batch and np.array_equal(x, X[32:64]) and np.array_equal(y, Y[32:64])
     assert not np.shares_memory(x, X) and not np.shares_memory(y, Y)
+
+
+def test_a_generator_of_sequences_of_varying_length_trains_as_model_fit_reads_it():
+    """Its first two batches set the spec, as Keras' do: None where they differ (the spec had been the first
+    batch's alone, and the second batch, a token longer, failed in tf.data). A later batch that does not fit a
+    dimension the first two fixed is named with both shapes."""
+
+    def sequences(lengths):
+        rng = np.random.default_rng(0)
+        for length in lengths:
+            yield rng.integers(1, 20, size=(4, length)), rng.normal(size=(4, 1)).astype("float32")
+
+    def model():
+        keras.utils.set_random_seed(0)
+        tokens = keras.Input((None,), dtype="int32")
+        pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(20, 4)(tokens))
+        built = keras.Model(tokens, keras.layers.Dense(1)(pooled))
+        built.compile(keras.optimizers.SGD(0.1), "mse")
+        return built
+
+    ours, theirs = model(), model()
+    history = tfmp.fit(ours, sequences([5, 6, 7, 5]), verbose=0)
+    expected = theirs.fit(sequences([5, 6, 7, 5]), verbose=0, shuffle=False)
+    assert int(ours.optimizer.iterations.numpy()) == 4
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
+    with pytest.raises(Exception, match=r"shapes \[\(4, 7\), \(4, 1\)\] do not fit the first two batches' "):
+        tfmp.fit(model(), sequences([5, 5, 7]), verbose=0)

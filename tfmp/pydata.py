@@ -62,11 +62,12 @@ def to_dataset(data, shuffle, seed, name="data", default_shuffle=False, keep=Fal
     if isinstance(data, types.GeneratorType):
         if shuffle:
             raise UsageError(f"{name} is a generator, whose batches come in the order it yields them: shuffle there")
-        first = next(data, None)
-        if first is None:
+        # Its first two batches (Keras' count, NUM_BATCHES_FOR_TENSOR_SPEC) set the spec: None where they differ.
+        peeked = list(itertools.islice(data, 2))
+        if not peeked:
             raise UsageError(f"{name} is a generator that yields nothing")
-        spec = _spec([_standard(first, name)])
-        batches = itertools.chain([first], data)  # One generator: every pass continues it.
+        spec = _spec([_standard(b, name) for b in peeked])
+        batches = itertools.chain(peeked, data)  # One generator: every pass continues it.
         source = _Once((tuple(_flat(_standard(b, name), spec)) for b in batches), spec, keep)
         return source.dataset()
     return _from_py_dataset(data, default_shuffle if shuffle is None else shuffle, seed, name)
@@ -285,7 +286,15 @@ def _flat(batch, spec):
         tf.nest.assert_same_structure(batch, spec)
     except (ValueError, TypeError) as e:
         raise UsageError(f"a batch's structure differs from the first batches': {e}") from None
-    return [
+    leaves = [
         np.array(v, s.dtype.as_numpy_dtype, copy=True)
         for v, s in zip(tf.nest.flatten(batch), tf.nest.flatten(spec), strict=True)
     ]
+    specs = tf.nest.flatten(spec)
+    if not all(s.shape.is_compatible_with(v.shape) for v, s in zip(leaves, specs, strict=True)):
+        raise UsageError(
+            f"a batch's shapes {[v.shape for v in leaves]} do not fit the first two batches' "
+            f"{[tuple(s.shape) for s in specs]}, which fix each dimension they agree on, as model.fit's do (None: "
+            "they differ); pad the batches to one length, or give the first two of different lengths"
+        )
+    return leaves
