@@ -335,7 +335,8 @@ def test_batches_are_copies_never_views_of_the_users_arrays():
 def test_a_generator_of_sequences_of_varying_length_trains_as_model_fit_reads_it():
     """Its first two batches set the spec, as Keras' do: None where they differ (the spec had been the first
     batch's alone, and the second batch, a token longer, failed in tf.data). A later batch that does not fit a
-    dimension the first two fixed is named with both shapes."""
+    dimension the first two fixed is named with both shapes, in a UsageError (raised in the input pipeline, it had
+    come out inside TensorFlow's InvalidArgumentError)."""
 
     def sequences(lengths):
         rng = np.random.default_rng(0)
@@ -355,5 +356,7 @@ def test_a_generator_of_sequences_of_varying_length_trains_as_model_fit_reads_it
     expected = theirs.fit(sequences([5, 6, 7, 5]), verbose=0, shuffle=False)
     assert int(ours.optimizer.iterations.numpy()) == 4
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-6)
-    with pytest.raises(Exception, match=r"shapes \[\(4, 7\), \(4, 1\)\] do not fit the first two batches' "):
+    with pytest.raises(UsageError, match=r"^a batch's shapes \[\(4, 7\), \(4, 1\)\] do not fit the first two "):
         tfmp.fit(model(), sequences([5, 5, 7]), verbose=0)
+    with pytest.raises(UsageError, match=r"^a batch's shapes \[\(4, 7\), \(4, 1\)\]"):  # Not TensorFlow's error.
+        tfmp.evaluate(model(), sequences([5, 5, 7]), verbose=0)

@@ -1,6 +1,7 @@
 """Exception types that end a run with one line instead of a traceback, and the test every
 count argument (a batch size, a number of epochs or steps) is put to before one is raised."""
 
+import re
 import threading
 
 import numpy as np
@@ -36,6 +37,18 @@ class UsageError(ValueError):
 
     `train.py` prints it as one line and exits with status 2, without a traceback.
     """
+
+
+def usage_error_inside(error):
+    """The UsageError that tfmp's own Python code raised inside a tf.data pipeline (loading a PyDataset's or a
+    generator's batches), which TensorFlow hands on as its own error with the message in its text, `error` its
+    cause; None where `error` carries none."""
+    carried = re.search(r"\bUsageError: (.+)", str(error))
+    if not carried:
+        return None
+    usage = UsageError(carried.group(1).strip())
+    usage.__cause__ = error  # As `raise usage from error` sets it.
+    return usage
 
 
 class TrainingError(RuntimeError):

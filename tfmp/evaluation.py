@@ -1,10 +1,11 @@
 """tfmp.evaluate: a compiled model's loss and metrics, as `model.evaluate` gives them, under its strategy."""
 
 import keras
+import tensorflow as tf
 
 from tfmp import arguments, data_check, fit_data, inputs, keras_compat, loop, tf_compat, xla
 from tfmp import callbacks as tfmp_callbacks
-from tfmp.errors import UsageError, is_count
+from tfmp.errors import UsageError, is_count, usage_error_inside
 from tfmp.run import evaluated_nothing, runs_once
 
 
@@ -82,7 +83,10 @@ def evaluate(
     )
     callbacks.on_test_begin()
     batch_logs = tfmp_callbacks.overrides(callbacks.callbacks, "on_test_batch_end", keras.callbacks.History)
-    logs = compiled.evaluate(source.once(), steps, callbacks, batch_logs)
+    try:
+        logs = compiled.evaluate(source.once(), steps, callbacks, batch_logs)
+    except tf.errors.InvalidArgumentError as e:  # (As is a UsageError raised in the input pipeline.)
+        raise usage_error_inside(e) or e  # noqa: B904 - e itself, or the UsageError it carries (caused by e).
     if evaluated_nothing(model):
         raise UsageError(f"data gave no batch to evaluate ({runs_once('steps')})")
     callbacks.on_test_end(logs)

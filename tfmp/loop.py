@@ -27,7 +27,7 @@ from tfmp import (
     worker_files,
     xla,
 )
-from tfmp.errors import PeerLost, TrainingError
+from tfmp.errors import PeerLost, TrainingError, usage_error_inside
 from tfmp.run import Run
 from tfmp.steps import Steps, computes_norm
 
@@ -250,9 +250,9 @@ def fit(
         float8.warn_frozen(model)
         try:
             return run.train(initial_epoch, epochs, position, step, validation_freq, checkpoint_every)
-        except cudnn.ERROR as e:
+        except cudnn.ERROR as e:  # (As is a UsageError raised in the input pipeline.)
             if not cudnn.is_mask_error(e):
-                raise
+                raise usage_error_inside(e) or e  # noqa: B904 - e itself, or the UsageError it carries (caused by e).
             raise TrainingError(cudnn.advice(cudnn.masked_cudnn_layers(model) or ["an RNN"])) from e
         except guards.PEER_ERRORS as e:
             if distribute.num_workers(strategy) < 2:
