@@ -32,6 +32,12 @@ def some_of(names, shown=5):
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
+def column_width(names, least):
+    """The width of a table's column that prints each of `names` whole, at least `least`: paths cut to one
+    prefix would read alike (`bidirectional/forward_lstm` and `bidirectional/forward_lstm/lstm_cell`)."""
+    return max([least, *map(len, names)])
+
+
 class UsageError(ValueError):
     """A bad setting from the user: the message names the value, the choices and the fix.
 

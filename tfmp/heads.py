@@ -4,7 +4,7 @@ import keras
 from absl import logging
 
 from tfmp import keras_compat
-from tfmp.errors import UsageError, is_count, some_of
+from tfmp.errors import UsageError, column_width, is_count, some_of
 
 _LOW = ("float16", "bfloat16")
 _SQUASHERS = ("softmax", "sigmoid")
@@ -75,7 +75,7 @@ class Audit(list):
 
     def table(self):
         """Each layer and the dtype it computes in, then the problems."""
-        width = max([32, *(len(r["path"]) for r in self.layers)])  # Whole paths: no two cut to one prefix.
+        width = column_width([r["path"] for r in self.layers], 32)
         lines = [f"{'layer':{width}s} {'class':22s} {'compute':9s} {'variables':9s} matmul"]
         lines += [
             f"{r['path']:{width}s} {r['class'][:22]:22s} {r['compute_dtype']:9s} {r['variable_dtype']:9s} "

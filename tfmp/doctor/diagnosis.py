@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from tfmp import files
+from tfmp.errors import column_width
 
 FLOAT16_MAX = 65504.0
 
@@ -70,7 +71,7 @@ class Diagnosis:
     def table(self):
         """The console table."""
         scale = self.recommended_loss_scale
-        width = _name_width(self.layers)
+        width = column_width([r["name"] for r in self.layers], 24)
         head = (
             f"{'layer':{width}s} {'dtype':8s} {'max |out|':>10s} {'max |grad|':>10s} "
             f"{'<2^-24 @1':>9s} {'<2^-14 @1':>9s} {f'<2^-24 @2^{int(math.log2(scale))}':>11s} {'bf16 err':>8s} "
@@ -110,7 +111,7 @@ class Diagnosis:
         return "\n".join(lines)
 
     def _float8_lines(self):
-        width = _name_width(self.float8)
+        width = column_width([r["name"] for r in self.float8], 24)
         lines = [
             "float8 matmuls, delayed scaling (flushed: non-zero values lost to zero; saturated: clipped at the "
             "format's maximum; after the first step):",
@@ -169,9 +170,3 @@ def _names(names, most=6):
     if len(names) <= most:
         return repr(list(names))
     return f"[{', '.join(map(repr, names[:most]))}, ... {len(names)} in all]"
-
-
-def _name_width(rows, least=24):
-    """The layer column's width: each name whole, so that two layers cut to one prefix stay apart
-    (`bidirectional/forward_lstm` and `bidirectional/forward_lstm/lstm_cell`)."""
-    return max([least, *(len(r["name"]) for r in rows)])
