@@ -286,11 +286,10 @@ def _flat(batch, spec):
         tf.nest.assert_same_structure(batch, spec)
     except (ValueError, TypeError) as e:
         raise UsageError(f"a batch's structure differs from the first batches': {e}") from None
-    leaves = [
-        np.array(v, s.dtype.as_numpy_dtype, copy=True)
-        for v, s in zip(tf.nest.flatten(batch), tf.nest.flatten(spec), strict=True)
-    ]
     specs = tf.nest.flatten(spec)
+    leaves = [
+        np.array(v, s.dtype.as_numpy_dtype, copy=True) for v, s in zip(tf.nest.flatten(batch), specs, strict=True)
+    ]
     if not all(s.shape.is_compatible_with(v.shape) for v, s in zip(leaves, specs, strict=True)):
         raise UsageError(
             f"a batch's shapes {[v.shape for v in leaves]} do not fit the first two batches' "
