@@ -9,7 +9,7 @@ from absl import logging
 from google.protobuf import message
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tfmp import bf16, callback_state, distribute, float8, keras_optimizers
+from tfmp import bf16, callback_state, distribute, float8, keras_optimizers, optimizer_form
 from tfmp.errors import TrainingError, UsageError, first_line
 from tfmp.run_directory import flag_for
 
@@ -93,6 +93,7 @@ class Checkpointer:
             "metrics": metrics,
             "geometry": self.geometry,
             "begun_rate": self.begun_rate,
+            "optimizer_form": optimizer_form.OptimizerForm(model, optimizer),
         }
         self._kahan = [b.value for b in bf16.buffers(optimizer)]  # Not the optimizer's: see tfmp.bf16.Compensation.
         if self._kahan:
@@ -117,6 +118,7 @@ class Checkpointer:
         if not path:
             self._attach()
             return 0
+        optimizer_form.check(path, self._optional["optimizer_form"].form, flag_for(self.restore_from))
         try:
             held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
             if "callbacks" in held:

@@ -1,0 +1,84 @@
+"""What an optimizer keeps, recorded in tfmp's checkpoints, so that a run resumed with another optimizer (or
+other trainable layers) is refused in words: TensorFlow's checkpoints hold a Keras optimizer's state by position,
+and its restore failed on a shape or an unmatched slot (said to be a checkpoint of another model) or dropped the
+state this run's optimizer does not keep (Adam's moments under SGD), unsaid."""
+
+import json
+
+import tensorflow as tf
+from absl import logging
+
+from tfmp import keras_optimizers
+from tfmp.errors import UsageError
+
+
+class OptimizerForm(tf.train.experimental.PythonState):
+    """`form_of` a model and its optimizer, as JSON in a checkpoint."""
+
+    def __init__(self, model=None, optimizer=None):
+        self.form = {} if model is None else form_of(model, optimizer)
+
+    def serialize(self):
+        return json.dumps(self.form)
+
+    def deserialize(self, string_value):
+        self.form = json.loads(bytes(string_value))
+
+
+def form_of(model, optimizer):
+    """{"weights": the shapes of `model`'s weights, "trains": of those `optimizer` trains, "optimizers": [[type
+    name, [each state variable's shape]]]} for `optimizer`'s optimizers (a loss-scale wrapper's inner one, a
+    MultiOptimizer's each): their state is their slots, moving averages and accumulators, not their step count or
+    learning rate (which a schedule replaces)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    optimizers = []
+    for part in keras_optimizers.optimizer_parts(optimizer) or [inner]:
+        fixed = {id(part.iterations), id(keras_optimizers.learning_rate(part))}
+        optimizers.append([type(part).__name__, [list(v.shape) for v in part.variables if id(v) not in fixed]])
+    return {
+        "weights": [list(w.shape) for w in model.weights],
+        "trains": [list(w.shape) for w in model.trainable_weights],
+        "optimizers": optimizers,
+    }
+
+
+def says(optimizers):
+    """Optimizers' forms in words: `Adam (4 state variables)`."""
+    return " and ".join(
+        f"{name} ({len(state)} state variable{'' if len(state) == 1 else 's'})" for name, state in optimizers
+    )
+
+
+def check(path, now, flag):
+    """Raises a UsageError where the checkpoint `path` was saved with the same model training other variables, or
+    with an optimizer keeping other state, than `now` (`form_of` this run's); warns where only an optimizer's type
+    differs (Adam's state going on under AdamW). `flag` names the checkpoint directory in the message. Passes a
+    checkpoint of another model (the restore says it does not load), one without the record (an older tfmp's) and
+    one that cannot be read (the restore says what fails)."""
+    saved = OptimizerForm()
+    try:
+        tf.train.Checkpoint(optimizer_form=saved).restore(path).expect_partial()
+    except Exception:  # noqa: BLE001 - a broken checkpoint fails in many ways, which the restore then names.
+        return
+    saved = saved.form
+    if not saved or saved == now or saved["weights"] != now["weights"]:
+        return
+    if saved["trains"] != now["trains"]:
+        raise UsageError(
+            f"checkpoint {path} was saved training {len(saved['trains'])} of the model's weights, and this run trains "
+            f"{len(now['trains'])} (a layer's `trainable` changed): the optimizer's state is kept per trained weight; "
+            f"resume with the layers trainable as they were, or use a new {flag}"
+        )
+    if [state for _, state in saved["optimizers"]] == [state for _, state in now["optimizers"]]:
+        logging.warning(
+            "checkpoint %s was saved with %s; its state goes on in this run's %s",
+            path,
+            says(saved["optimizers"]),
+            says(now["optimizers"]),
+        )
+        return
+    raise UsageError(
+        f"checkpoint {path} was saved with {says(saved['optimizers'])}, and this run trains with "
+        f"{says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer with the same "
+        f"settings; resume with the optimizer it was saved with, or use a new {flag}"
+    )
