@@ -49,6 +49,12 @@ def says(optimizers):
     )
 
 
+def _afresh(flag, path, when=""):
+    """How to train on afresh: a new directory, for tfmp.fit's `checkpoint_dir` from the checkpoint's weights."""
+    weights = f" (its weights first{when}: tf.train.Checkpoint(model=model).restore({path!r}).expect_partial())"
+    return f"use a new {flag}" + (weights if flag == "checkpoint_dir" else "")
+
+
 def check(path, now, flag):
     """Raises a UsageError where the checkpoint `path` was saved with the same model training other variables, or
     with an optimizer keeping other state, than `now` (`form_of` this run's); warns where only an optimizer's type
@@ -67,7 +73,7 @@ def check(path, now, flag):
         raise UsageError(
             f"checkpoint {path} was saved training {len(saved['trains'])} of the model's weights, and this run trains "
             f"{len(now['trains'])} (a layer's `trainable` changed): the optimizer's state is kept per trained weight; "
-            f"resume with the layers trainable as they were, or use a new {flag}"
+            f"resume with the layers trainable as they were, or {_afresh(flag, path, ', restored while they are')}"
         )
     if [state for _, state in saved["optimizers"]] == [state for _, state in now["optimizers"]]:
         logging.warning(
@@ -80,5 +86,5 @@ def check(path, now, flag):
     raise UsageError(
         f"checkpoint {path} was saved with {says(saved['optimizers'])}, and this run trains with "
         f"{says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer with the same "
-        f"settings; resume with the optimizer it was saved with, or use a new {flag}"
+        f"settings; resume with the optimizer it was saved with, or {_afresh(flag, path)}"
     )
