@@ -118,7 +118,7 @@ class Checkpointer:
         if not path:
             self._attach()
             return 0
-        optimizer_form.check(path, self._optional["optimizer_form"].form, flag_for(self.restore_from))
+        optimizer_form.check(path, self._model, self._optimizer, flag_for(self.restore_from))
         try:
             held = {name.split("/")[0] for name, _ in tf.train.list_variables(path)}
             if "callbacks" in held:

@@ -13,13 +13,15 @@ from tfmp.errors import UsageError
 
 
 class OptimizerForm(tf.train.experimental.PythonState):
-    """`form_of` a model and its optimizer, as JSON in a checkpoint."""
+    """`form_of` a model and its optimizer, as JSON in a checkpoint: as they stand at each save (an optimizer
+    may build after the checkpoint is set up); `form` holds what a restore read."""
 
     def __init__(self, model=None, optimizer=None):
-        self.form = {} if model is None else form_of(model, optimizer)
+        self._model, self._optimizer = model, optimizer
+        self.form = {}
 
     def serialize(self):
-        return json.dumps(self.form)
+        return json.dumps(form_of(self._model, self._optimizer))
 
     def deserialize(self, string_value):
         self.form = json.loads(bytes(string_value))
@@ -28,17 +30,17 @@ class OptimizerForm(tf.train.experimental.PythonState):
 def form_of(model, optimizer):
     """{"weights": the shapes of `model`'s weights, "trains": of those `optimizer` trains, "optimizers": [[type
     name, [each state variable's shape]]]} for `optimizer`'s optimizers (a loss-scale wrapper's inner one, a
-    MultiOptimizer's each): their state is their slots, moving averages and accumulators, not their step count or
-    learning rate (which a schedule replaces)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    MultiOptimizer's each; None where one is not built yet, its state still to come): their state is their slots,
+    moving averages and accumulators, not their step count or learning rate (which a schedule replaces)."""
+    parts = keras_optimizers.optimizer_parts(optimizer) or [getattr(optimizer, "inner_optimizer", optimizer)]
     optimizers = []
-    for part in keras_optimizers.optimizer_parts(optimizer) or [inner]:
+    for part in parts:
         fixed = {id(part.iterations), id(keras_optimizers.learning_rate(part))}
         optimizers.append([type(part).__name__, [list(v.shape) for v in part.variables if id(v) not in fixed]])
     return {
         "weights": [list(w.shape) for w in model.weights],
         "trains": [list(w.shape) for w in model.trainable_weights],
-        "optimizers": optimizers,
+        "optimizers": optimizers if all(part.built for part in parts) else None,
     }
 
 
@@ -55,18 +57,18 @@ def _afresh(flag, path, when=""):
     return f"use a new {flag}" + (weights if flag == "checkpoint_dir" else "")
 
 
-def check(path, now, flag):
+def check(path, model, optimizer, flag):
     """Raises a UsageError where the checkpoint `path` was saved with the same model training other variables, or
-    with an optimizer keeping other state, than `now` (`form_of` this run's); warns where only an optimizer's type
-    differs (Adam's state going on under AdamW). `flag` names the checkpoint directory in the message. Passes a
-    checkpoint of another model (the restore says it does not load), one without the record (an older tfmp's) and
-    one that cannot be read (the restore says what fails)."""
+    with an optimizer keeping other state, than `model` and `optimizer` (`form_of`); warns where only an
+    optimizer's type differs (Adam's state going on under AdamW). `flag` names the checkpoint directory in the
+    message. Passes a checkpoint of another model (the restore says it does not load), one without the record (an
+    older tfmp's), one that cannot be read (the restore says what fails) and an optimizer not built."""
     saved = OptimizerForm()
     try:
         tf.train.Checkpoint(optimizer_form=saved).restore(path).expect_partial()
     except Exception:  # noqa: BLE001 - a broken checkpoint fails in many ways, which the restore then names.
         return
-    saved = saved.form
+    saved, now = saved.form, form_of(model, optimizer)
     if not saved or saved == now or saved["weights"] != now["weights"]:
         return
     if saved["trains"] != now["trains"]:
@@ -75,6 +77,8 @@ def check(path, now, flag):
             f"{len(now['trains'])} (a layer's `trainable` changed): the optimizer's state is kept per trained weight; "
             f"resume with the layers trainable as they were, or {_afresh(flag, path, ', restored while they are')}"
         )
+    if None in (saved["optimizers"], now["optimizers"]):  # One not built: its state is not there to load.
+        return
     if [state for _, state in saved["optimizers"]] == [state for _, state in now["optimizers"]]:
         logging.warning(
             "checkpoint %s was saved with %s; its state goes on in this run's %s",
