@@ -66,6 +66,26 @@ def test_a_model_made_before_the_policy_is_named_by_the_audit_and_by_fit(caplog)
     assert tfmp.audit(made_after) == []  # One layer in bfloat16 is enough (the head in float32 is the rule).
 
 
+@pytest.mark.parametrize(
+    ("made", "now", "does"),
+    [
+        ("mixed_float16", "mixed_bfloat16", "16-bit layer of {} computes in float16"),  # A loss scale too.
+        ("mixed_bfloat16", "bfloat16", "16-bit layer of {} computes in bfloat16 with float32 weights"),  # Not half.
+        ("bfloat16", "mixed_bfloat16", "16-bit layer of {} computes in bfloat16 with bfloat16 weights"),
+    ],
+)
+def test_a_model_made_under_another_16_bit_policy_is_named_too(made, now, does):
+    """Each trained in the precision it was made in, without a word: only float32 layers were named."""
+    tfmp.configure_precision(made)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2, dtype="float32")])
+    assert tfmp.audit(model) == []
+    tfmp.configure_precision(now)
+    words = f"the policy is {now}, but every {does.format(model.name)}: a layer takes the policy in force"
+    assert [p[: len(words)] for p in tfmp.audit(model)] == [words]
+    tfmp.configure_precision("float32")  # The default: a model made in another precision trains in its own.
+    assert tfmp.audit(model) == []
+
+
 def test_float16_weights_are_named_by_the_audit_and_by_fit(caplog):
     """A layer given dtype="float16" (not "mixed_float16") keeps float16 weights, which the optimizer updates in
     float16: Adam's second moment underflows, small changes round away (a Dense regression with Adam ended 5 epochs

@@ -91,14 +91,27 @@ class Audit(list):
 
 
 def made_before_policy(model):
-    """Why `model` would train in float32 under a 16-bit global policy, or None: every layer of it with weights
-    computes in float32, as layers made before the policy was set do (a layer takes the policy in force when made)."""
+    """Why `model` would not train in the global policy, or None: no layer of it with weights follows the policy
+    (computes in its dtype and stores its weights in its dtype, or in float16: `float16_weights`), as layers made
+    before the policy was set do (a layer takes the policy in force when made). None under float32, the default,
+    where a model made or loaded in another precision trains in its own."""
     policy = keras.config.dtype_policy()
     weighted = [layer for layer in keras_compat.sublayers(model) if layer.weights]
-    if policy.compute_dtype not in _LOW or not weighted or any(layer.compute_dtype in _LOW for layer in weighted):
+    follows = [
+        layer.compute_dtype == policy.compute_dtype and layer.variable_dtype in (policy.variable_dtype, "float16")
+        for layer in weighted
+    ]
+    if policy.name == "float32" or not weighted or any(follows):
         return None
+    # float32 layers are the rule's exceptions (a head, `keep_float32`): said only where every layer is one.
+    kinds = sorted({(layer.compute_dtype, layer.variable_dtype) for layer in weighted if layer.compute_dtype in _LOW})
+    plain = policy.variable_dtype == "float32"  # Else the weights' dtype is what differs, said for each.
+    does = " or ".join(
+        f"computes in {c}" + ("" if v == "float32" and plain else f" with {v} weights") for c, v in kinds
+    )
     return (
-        f"the policy is {policy.name}, but every layer of {model.name} computes in float32: a layer takes the policy "
+        f"the policy is {policy.name}, but every {'16-bit ' if kinds else ''}layer of {model.name} "
+        f"{does or 'computes in float32'}: a layer takes the policy "
         "in force when it is made, and these were made before it; set the policy first (tfmp.configure_precision) "
         "and build the model after it (a model loaded from a file keeps the dtypes it was saved with)"
     )
