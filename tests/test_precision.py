@@ -37,6 +37,10 @@ def test_configure_sets_global_policy_and_returns_name():
     assert precision.configure_precision("mixed_bfloat16", Hardware()) == "mixed_bfloat16"
     assert precision.compute_dtype() == "bfloat16"
     assert not loss_scale.needs_loss_scaling()
+    # A Keras policy object, as keras.config.set_dtype_policy takes one (it was an unknown precision).
+    assert precision.configure_precision(keras.DTypePolicy("mixed_float16"), Hardware(gpu_capability=(8, 0))) == (
+        "mixed_float16"
+    )
 
 
 def test_auto_prints_its_choice_and_reason_on_one_line_and_an_asked_for_policy_nothing(capsys):

@@ -190,7 +190,8 @@ def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=
             (bfloat16 compute with float8 matmuls in Dense and EinsumDense layers,
             applied by `tfmp.fit`), `bfloat16` (weights and optimizer state stored in
             bfloat16: half the memory; `tfmp.fit` computes each update in float32 and
-            writes it back with `rounding`). `auto` picks neither float8 nor bfloat16.
+            writes it back with `rounding`). `auto` picks neither float8 nor bfloat16. A
+            `keras.DTypePolicy` of one of these names is taken as its name.
         hardware: a `Hardware` to decide from; detected when None.
         rounding: for bfloat16 weights (`tfmp.bf16`): `kahan` (a compensation buffer per
             weight), `stochastic` (seeded by `seed`, the step and the variable), or
@@ -206,6 +207,7 @@ def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=
         UsageError: for an unknown policy name or rounding.
     """
     set_bf16_rounding(rounding, seed)
+    policy = policy.name if isinstance(policy, keras.DTypePolicy) else policy  # As keras.config.set_dtype_policy.
     decision = resolve_policy(policy, hardware)
     if verbose and policy == "auto":
         print(f"tfmp: precision {decision.policy} ({decision.reason})")
