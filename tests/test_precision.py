@@ -77,6 +77,14 @@ def test_unknown_policy_names_choices():
         precision.configure_precision("float4")
 
 
+@pytest.mark.parametrize("names", [3, [3], {"dense": True}])
+def test_keep_float32_names_what_it_takes(names):
+    """A number, or a list holding one, was a TypeError from inside `re`; a dict was read as its keys."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, name="dense")])
+    with pytest.raises(UsageError, match=r"keep_float32 takes layer names or regular expressions \(a str or a list"):
+        tfmp.keep_float32(model, names)
+
+
 def test_detect_this_machine():
     """Whatever this machine is: the flags are /proc/cpuinfo's, the GPUs TensorFlow's, and
     auto follows the rule for them."""

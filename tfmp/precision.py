@@ -190,8 +190,8 @@ def configure_precision(policy="auto", hardware=None, *, rounding="kahan", seed=
             (bfloat16 compute with float8 matmuls in Dense and EinsumDense layers,
             applied by `tfmp.fit`), `bfloat16` (weights and optimizer state stored in
             bfloat16: half the memory; `tfmp.fit` computes each update in float32 and
-            writes it back with `rounding`). `auto` picks neither float8 nor bfloat16. A
-            `keras.DTypePolicy` of one of these names is taken as its name.
+            writes it back with `rounding`); or a `keras.DTypePolicy` of one of these names.
+            `auto` picks neither float8 nor bfloat16.
         hardware: a `Hardware` to decide from; detected when None.
         rounding: for bfloat16 weights (`tfmp.bf16`): `kahan` (a compensation buffer per
             weight), `stochastic` (seeded by `seed`, the step and the variable), or
@@ -298,13 +298,18 @@ def keep_float32(model_or_names, names_or_regexes=None):
 
 
 def _patterns(names_or_regexes):
-    patterns = [names_or_regexes] if isinstance(names_or_regexes, str) else list(names_or_regexes or ())
+    given = names_or_regexes
+    patterns = [] if given is None else [given] if isinstance(given, str) else given
+    if not isinstance(patterns, (list, tuple, set)) or not all(isinstance(p, str) for p in patterns):
+        raise UsageError(
+            f"keep_float32 takes layer names or regular expressions (a str or a list of them), got {given!r}"
+        )
     for pattern in patterns:
         try:
             re.compile(pattern)
         except re.error as e:
             raise UsageError(f"keep_float32: {pattern!r} is not a regular expression ({e})") from e
-    return patterns
+    return list(patterns)
 
 
 def _in_block(pattern):
