@@ -143,3 +143,16 @@ def test_validation_inputs_alone_validate_a_model_whose_layers_add_its_loss():
     expected = theirs.fit(x, validation_data=x[:64], epochs=2, shuffle=False, verbose=0)
     history = tfmp.fit(ours, x, validation_data=x[:64], epochs=2, shuffle=False, verbose=0, jit_compile=False)
     np.testing.assert_allclose(history.history["val_loss"], expected.history["val_loss"], rtol=1e-6)
+
+
+def test_the_doctor_checks_its_data_as_tfmp_fit_does():
+    """An unbatched dataset gave Keras' shape error from inside the model's call; a string for the model, "needs
+    a compiled model"."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    unbatched = tf.data.Dataset.from_tensor_slices((np.ones((4, 3), "float32"), np.ones((4, 1), "float32")))
+    for run in (tfmp.fit, tfmp.diagnose):
+        with pytest.raises(UsageError, match=r"gives \(3,\); its elements are single examples: batch the dataset"):
+            run(model, unbatched)
+    with pytest.raises(UsageError, match="^diagnose takes a compiled Keras model, got str$"):
+        tfmp.diagnose("model", unbatched)

@@ -47,6 +47,8 @@ def diagnose(model, data, steps=8):
         maximum, and each layer that would cast such a value back to float16 (its
         consumers): with all of them in float32 the model trains in mixed_float16.
     """
+    if not isinstance(model, keras.Model):
+        raise UsageError(f"diagnose takes a compiled Keras model, got {type(model).__name__}")
     if not getattr(model, "compiled", False):
         raise UsageError("diagnose needs a compiled model: call model.compile(optimizer, loss) first")
     if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
@@ -56,6 +58,7 @@ def diagnose(model, data, steps=8):
     if not isinstance(data, tf.data.Dataset):
         kind = type(data).__name__
         raise UsageError(f"diagnose reads a dataset, arrays (x, y), a PyDataset or a generator, not a {kind}")
+    data_check.check(model, data.element_spec)  # As tfmp.fit: an unbatched dataset said so, not Keras' shape error.
     if not model.built:  # Its layers built as model.fit builds them: a first call watched would record symbolic
         # tensors. Not its optimizer (the doctor updates with a copy): float8 could not quantize the model after.
         keras_compat.build_layers(model, data.element_spec)
