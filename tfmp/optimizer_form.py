@@ -28,7 +28,7 @@ class OptimizerForm(tf.train.experimental.PythonState):
 
 
 def form_of(model, optimizer):
-    """{"weights": the shapes of `model`'s weights, "trains": of those `optimizer` trains, "optimizers": [[type
+    """{"weights": the shapes of `model`'s weights, "trains": of its trainable ones, "optimizers": [[type
     name, [each state variable's shape]]]} for `optimizer`'s optimizers (a loss-scale wrapper's inner one, a
     MultiOptimizer's each; None where one is not built yet, its state still to come): their state is their slots,
     moving averages and accumulators, not their step count or learning rate (which a schedule replaces)."""
@@ -44,7 +44,7 @@ def form_of(model, optimizer):
     }
 
 
-def says(optimizers):
+def _says(optimizers):
     """Optimizers' forms in words: `Adam (4 state variables)`."""
     return " and ".join(
         f"{name} ({len(state)} state variable{'' if len(state) == 1 else 's'})" for name, state in optimizers
@@ -83,12 +83,12 @@ def check(path, model, optimizer, flag):
         logging.warning(
             "checkpoint %s was saved with %s; its state goes on in this run's %s",
             path,
-            says(saved["optimizers"]),
-            says(now["optimizers"]),
+            _says(saved["optimizers"]),
+            _says(now["optimizers"]),
         )
         return
     raise UsageError(
-        f"checkpoint {path} was saved with {says(saved['optimizers'])}, and this run trains with "
-        f"{says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer with the same "
+        f"checkpoint {path} was saved with {_says(saved['optimizers'])}, and this run trains with "
+        f"{_says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer with the same "
         f"settings; resume with the optimizer it was saved with, or {_afresh(flag, path)}"
     )
