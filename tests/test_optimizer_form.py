@@ -46,6 +46,12 @@ def _restore_as_said(error, model):
         ),
         (lambda: keras.optimizers.SGD(momentum=0.9), lambda: keras.optimizers.SGD(), "SGD (3 state variables), and"),
         (lambda: keras.optimizers.SGD(), lambda: keras.optimizers.Adam(), "SGD (0 state variables), and this run"),
+        # The same shapes, another meaning: SGD's momentum would have gone on as RMSprop's mean square.
+        (
+            lambda: keras.optimizers.SGD(momentum=0.9),
+            lambda: keras.optimizers.RMSprop(),
+            "SGD (3 state variables), and this run trains with RMSprop (3 state variables)",
+        ),
     ],
 )
 def test_a_checkpoint_of_another_optimizer_says_so(tmp_path, saved, now, words):

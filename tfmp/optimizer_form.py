@@ -28,15 +28,17 @@ class OptimizerForm(tf.train.experimental.PythonState):
 
 
 def form_of(model, optimizer):
-    """{"weights": the shapes of `model`'s weights, "trains": of its trainable ones, "optimizers": [[type
-    name, [each state variable's shape]]]} for `optimizer`'s optimizers (a loss-scale wrapper's inner one, a
-    MultiOptimizer's each; None where one is not built yet, its state still to come): their state is their slots,
-    moving averages and accumulators, not their step count or learning rate (which a schedule replaces)."""
+    """{"weights": the shapes of `model`'s weights, "trains": of its trainable ones, "optimizers": [[type name,
+    [each state variable's shape], [the names of the types it is built on]]] for `optimizer`'s optimizers (a
+    loss-scale wrapper's inner one, a MultiOptimizer's each; None where one is not built yet, its state still to
+    come)}: their state is their slots, moving averages and accumulators, not their step count or learning rate
+    (which a schedule replaces)."""
     parts = keras_optimizers.optimizer_parts(optimizer) or [getattr(optimizer, "inner_optimizer", optimizer)]
     optimizers = []
     for part in parts:
         fixed = {id(part.iterations), id(keras_optimizers.learning_rate(part))}
-        optimizers.append([type(part).__name__, [list(v.shape) for v in part.variables if id(v) not in fixed]])
+        state = [list(v.shape) for v in part.variables if id(v) not in fixed]
+        optimizers.append([type(part).__name__, state, [kind.__name__ for kind in type(part).__mro__]])
     return {
         "weights": [list(w.shape) for w in model.weights],
         "trains": [list(w.shape) for w in model.trainable_weights],
@@ -47,7 +49,7 @@ def form_of(model, optimizer):
 def _says(optimizers):
     """Optimizers' forms in words: `Adam (4 state variables)`."""
     return " and ".join(
-        f"{name} ({len(state)} state variable{'' if len(state) == 1 else 's'})" for name, state in optimizers
+        f"{name} ({len(state)} state variable{'' if len(state) == 1 else 's'})" for name, state, _ in optimizers
     )
 
 
@@ -79,7 +81,11 @@ def check(path, model, optimizer, flag):
         )
     if None in (saved["optimizers"], now["optimizers"]):  # One not built: its state is not there to load.
         return
-    if [state for _, state in saved["optimizers"]] == [state for _, state in now["optimizers"]]:
+    alike = len(saved["optimizers"]) == len(now["optimizers"]) and all(
+        was[1] == new[1] and (was[0] in new[2] or new[0] in was[2])  # A type built on the other: Adam, AdamW.
+        for was, new in zip(saved["optimizers"], now["optimizers"], strict=False)
+    )
+    if alike:  # The same state, meaning the same.
         logging.warning(
             "checkpoint %s was saved with %s; its state goes on in this run's %s",
             path,
@@ -89,6 +95,7 @@ def check(path, model, optimizer, flag):
         return
     raise UsageError(
         f"checkpoint {path} was saved with {_says(saved['optimizers'])}, and this run trains with "
-        f"{_says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer with the same "
-        f"settings; resume with the optimizer it was saved with, or {_afresh(flag, path)}"
+        f"{_says(now['optimizers'])}: an optimizer's state carries over only to the same optimizer (or one built "
+        f"on it: Adam's to AdamW) with the same settings; resume with the optimizer it was saved with, or "
+        f"{_afresh(flag, path)}"
     )
