@@ -54,12 +54,14 @@ def _restore_as_said(error, model):
         ),
     ],
 )
-def test_a_checkpoint_of_another_optimizer_says_so(tmp_path, saved, now, words):
-    _fit(tmp_path, saved())
+def test_a_checkpoint_of_another_optimizer_says_so_and_how_its_weights_go_on(tmp_path, saved, now, words):
+    trained = _fit(tmp_path, saved())
     with pytest.raises(
         UsageError, match=f"{re.escape(words)}.*carries over only to the same optimizer .* new checkpoint_dir"
-    ):
+    ) as e:
         _fit(tmp_path, now(), epochs=2)
+    for a, b in zip(trained.weights, _restore_as_said(e.value, _model(now())), strict=True):
+        np.testing.assert_array_equal(a.numpy(), b)
 
 
 def test_a_checkpoint_training_other_layers_says_so_and_how_its_weights_go_on(tmp_path):
