@@ -301,9 +301,7 @@ def _patterns(names_or_regexes):
     given = names_or_regexes
     patterns = [] if given is None else [given] if isinstance(given, str) else given
     if not isinstance(patterns, (list, tuple, set)) or not all(isinstance(p, str) for p in patterns):
-        raise UsageError(
-            f"keep_float32 takes layer names or regular expressions (a str or a list of them), got {given!r}"
-        )
+        raise UsageError(f"keep_float32 takes layer names or regular expressions (a str or a list), got {given!r}")
     for pattern in patterns:
         try:
             re.compile(pattern)
