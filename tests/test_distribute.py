@@ -49,7 +49,7 @@ def test_tpu_missing_is_one_clear_error(monkeypatch, host):
     if host == "markers":
         monkeypatch.setattr(distribute, "_tpu_present", lambda: True)
     with pytest.raises(UsageError) as e:
-        distribute.get_strategy("tpu", tpu="local")
+        distribute.get_strategy("tpu", tpu="local", flags=True)
     message = str(e.value)
     assert "no TPU found" in message and "--tpu=local" in message and "\n" not in message
     assert ("shows no TPU device" in message) == (host == "bare"), message
@@ -59,10 +59,27 @@ def test_tpu_missing_is_one_clear_error(monkeypatch, host):
 def test_tpu_missing_under_auto_names_auto_and_tpu():
     # --strategy=auto with --tpu given goes to a TPU: the error names the flags the user gave, and the way out.
     with pytest.raises(UsageError) as e:
-        distribute.get_strategy("auto", tpu="local")
+        distribute.get_strategy("auto", tpu="local", flags=True)
     message = str(e.value)
-    assert message.startswith("--strategy=auto with --tpu picks tpu:") and "no TPU found" in message, message
-    assert "leave --tpu out" in message and "pick --strategy=auto" not in message, message
+    assert message.startswith("--strategy=auto with --tpu=local picks tpu:") and "no TPU found" in message, message
+    assert "leave --tpu=local out" in message and "pick --strategy=auto" not in message, message
+
+
+def test_a_library_caller_is_told_the_arguments_not_train_py_flags(monkeypatch):
+    # tfmp.get_strategy called from Python has no --strategy flag to change: its refusals name its arguments.
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    cases = [
+        (("tpu", "local"), "tfmp.get_strategy('tpu'): no TPU found", "use tpu='local', else tpu='NAME_OR_GRPC"),
+        (("auto", "local"), "tfmp.get_strategy('auto', tpu='local') picks tpu:", "or leave tpu='local' out"),
+        (("multi_worker", None), "tfmp.get_strategy('multi_worker') needs TF_CONFIG", "BUILD.md"),
+    ]
+    monkeypatch.setattr(tf.config, "list_logical_devices", lambda kind=None: [])  # A host with one device.
+    cases.append((("mirrored", None), "tfmp.get_strategy('mirrored') needs GPUs", "tfmp.get_strategy('default')"))
+    for (name, tpu), start, way in cases:
+        with pytest.raises(UsageError) as e:
+            distribute.get_strategy(name, tpu=tpu)
+        message = str(e.value)
+        assert message.startswith(start) and way in message and "--" not in message, message
 
 
 def test_multi_worker_needs_tf_config(monkeypatch):

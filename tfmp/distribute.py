@@ -47,38 +47,53 @@ def _tpu_present():
     return bool(tf.config.list_logical_devices("TPU"))
 
 
-def _no_tpu(address, why, asked, tpu):
-    # Named as the user asked: --strategy=auto goes to a TPU where --tpu is given or the host looks like a TPU's.
+@dataclasses.dataclass(frozen=True)
+class _Naming:
+    """How refusals name the user's choices: train.py's flags, or tfmp.get_strategy's arguments (no flag there)."""
+
+    flags: bool = False
+
+    def strategy(self, name, tpu=None):
+        if self.flags:
+            return f"--strategy={name}" + (f" with --tpu={tpu}" if tpu else "")
+        return f"tfmp.get_strategy({name!r}{f', tpu={tpu!r}' if tpu else ''})"
+
+    def tpu(self, value):
+        return f"--tpu={value}" if self.flags else f"tpu={value!r}"
+
+
+def _no_tpu(address, why, asked, tpu, naming):  # Named as asked: auto picks a TPU given or found.
     if asked == "tpu":
-        flag, other = "--strategy=tpu", "or pick --strategy=auto"
+        said, other = naming.strategy("tpu"), f"or pick {naming.strategy('auto')}"
     elif tpu:
-        flag, other = "--strategy=auto with --tpu picks tpu", "or leave --tpu out"
+        said, other = f"{naming.strategy('auto', tpu)} picks tpu", f"or leave {naming.tpu(tpu)} out"
     else:
-        flag, other = "--strategy=auto picks tpu on a host that shows one", "or pick --strategy=default"
+        said = f"{naming.strategy('auto')} picks tpu on a host that shows one"
+        other = f"or pick {naming.strategy('default')}"
     return UsageError(
-        f"{flag}: no TPU found at tpu={address!r} ({why}); on a Colab or Cloud TPU VM use --tpu=local, "
-        f"else --tpu=NAME_OR_GRPC_ADDRESS, {other}"
+        f"{said}: no TPU found at tpu={address!r} ({why}); on a Colab or Cloud TPU VM use {naming.tpu('local')}, "
+        f"else {naming.tpu('NAME_OR_GRPC_ADDRESS')}, {other}"
     )
 
 
-def _tpu_strategy(tpu, asked="tpu"):
+def _tpu_strategy(tpu, asked, naming):
     address = tpu or "local"
     if address == "local" and not _tpu_present():
         # Said at once, without TensorFlow's TPU start: that clears the process's eager caches and collects its
         # garbage before it finds no TPU, a cost that grows with what the process holds (a notebook's, a test run's).
         shows = "this host shows no TPU device, /dev/accel0, /dev/vfio device, TPU_NAME or COLAB_TPU_ADDR"
-        raise _no_tpu(address, shows, asked, tpu)
+        raise _no_tpu(address, shows, asked, tpu, naming)
     try:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
         if address != "local":
             tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except Exception as e:  # noqa: BLE001 - a wrong name or address fails in many ways (URLError, ...).
-        raise _no_tpu(address, first_line(e), asked, tpu) from e
+        raise _no_tpu(address, first_line(e), asked, tpu, naming) from e
     return tf.distribute.TPUStrategy(resolver)
 
 
-def _mirrored_strategy():
+def _mirrored_strategy(naming):
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
     strategy = None
@@ -95,12 +110,12 @@ def _mirrored_strategy():
         tf_compat.own_collective_keys(strategy)
         return strategy
     raise UsageError(
-        "--strategy=mirrored needs GPUs (or several logical CPU devices) and found "
-        "none; use --strategy=default on one CPU"
+        f"{naming.strategy('mirrored')} needs GPUs (or several logical CPU devices) and found "
+        f"none; use {naming.strategy('default')} on one CPU"
     )
 
 
-def get_strategy(name="auto", tpu=None, *, verbose=True):
+def get_strategy(name="auto", tpu=None, *, verbose=True, flags=False):
     """Returns a `tf.distribute.Strategy`; never None.
 
     Args:
@@ -111,6 +126,7 @@ def get_strategy(name="auto", tpu=None, *, verbose=True):
             name or grpc:// address.
         verbose: print `auto`'s choice and its reason on one line (absl's log, which has it
             too, is quiet by default outside an absl app; train.py prints it in its summary).
+        flags: refusals name the choices as train.py's flags (`--strategy=mirrored`), not as arguments.
 
     Raises:
         UsageError: for an unknown name, or a strategy whose hardware is missing.
@@ -121,7 +137,7 @@ def get_strategy(name="auto", tpu=None, *, verbose=True):
     if name == "auto":
         name, why = _auto_strategy(tpu)
         logging.info("Strategy auto -> %s (%s)", name, why)
-    strategy = _make_strategy(name, tpu, asked)
+    strategy = _make_strategy(name, tpu, asked, _Naming(flags))
     if verbose and why:  # Once made: a TPU that fails to start says so instead.
         print(f"tfmp: strategy {name} ({why})")
     return strategy
@@ -145,23 +161,23 @@ def _auto_strategy(tpu):
     return "default", "no GPU or TPU: one device, the CPU"
 
 
-def _make_strategy(name, tpu, asked):
+def _make_strategy(name, tpu, asked, naming):
     if name == "default":
         return tf.distribute.get_strategy()
     if name == "one_device":
         gpus = tf.config.list_logical_devices("GPU")
         return tf.distribute.OneDeviceStrategy(gpus[0].name if gpus else "/cpu:0")
     if name == "mirrored":
-        return _mirrored_strategy()
+        return _mirrored_strategy(naming)
     if name == "multi_worker":
         if not _tf_config_workers():
             raise UsageError(
-                "--strategy=multi_worker needs TF_CONFIG naming the cluster and this "
+                f"{naming.strategy('multi_worker')} needs TF_CONFIG naming the cluster and this "
                 "worker's task; see BUILD.md 'Several machines'"
             )
         tf_compat.broadcast_bfloat16_initial_values()  # bfloat16 weights, however the policy was set.
         return tf.distribute.MultiWorkerMirroredStrategy()
-    return _tpu_strategy(tpu, asked)
+    return _tpu_strategy(tpu, asked, naming)
 
 
 def strategy_name(strategy):

@@ -75,7 +75,7 @@ class _Setup:
         self.entry = models.MODELS[config.model]
         # 1. Strategy first: multi-worker and TPU strategies must exist before TensorFlow
         # starts its runtime, which listing devices for the precision choice would do.
-        self.strategy = strategy = distribute.get_strategy(config.strategy, config.tpu, verbose=False)
+        self.strategy = strategy = distribute.get_strategy(config.strategy, config.tpu, verbose=False, flags=True)
         # 2. Seed (stochastic rounding of bfloat16 weights draws from it too).
         seed.set_seed(config.seed, config.deterministic)
         precision.set_bf16_rounding(config.bf16_rounding, config.seed)
