@@ -168,7 +168,9 @@ def test_bad_launcher_arguments(capsys):
         (["--hosts=a:1,b:2", "--index=2", SCRIPT], "--index=2 must be in 0..1: --hosts names 2 workers"),
         (["--hosts=10.0.0.1", "--index=0", SCRIPT], "--hosts: '10.0.0.1' is not HOST:PORT"),  # Not "0 in 0..0".
         (["--hosts=a:1,b:x", "--index=0", SCRIPT], "--hosts: 'b:x' is not HOST:PORT"),
-        (["no_such_script.py"], "no script"),
+        (["no_such_script.py"], "no script no_such_script.py"),
+        ([], "no script to run: give it, and its own arguments, after the launcher's"),  # Not "required: args".
+        (["--workers=2"], "no script to run"),
         (["--stall_timeout=0", SCRIPT], "--stall_timeout=0: seconds, more than 0"),
         (["--startup_timeout=nan", SCRIPT], "--startup_timeout=nan: seconds, more than 0"),
         (["--grace_seconds=-1", SCRIPT], "--grace_seconds=-1: seconds, 0 or more"),

@@ -128,7 +128,10 @@ class Worker:
 
 def parse(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m tfmp.launch", description=__doc__.split("\n\n")[0], allow_abbrev=False
+        prog="python -m tfmp.launch",
+        usage="%(prog)s [--workers=N | --hosts=HOST:PORT,... --index=I] [options] SCRIPT [ITS ARGUMENTS]",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes on this host (default 2)")
     parser.add_argument("--hosts", default=None, help="HOST:PORT,... of every worker of a job over several hosts")
@@ -140,7 +143,9 @@ def parse(argv):
     parser.add_argument(
         "--startup_timeout", type=float, default=1800.0, help="end a job with no first step after this long (1800 s)"
     )
-    parser.add_argument("script", help="train.py or any script that calls tfmp.get_strategy('auto') / tfmp.fit")
+    parser.add_argument(  # Optional for argparse, which would also call the script's arguments required.
+        "script", nargs="?", help="train.py or any script that calls tfmp.get_strategy('auto') / tfmp.fit"
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     options = parser.parse_args(argv)
     if options.hosts:
@@ -160,6 +165,8 @@ def parse(argv):
         value, zero_ok = getattr(options, name), name == "grace_seconds"  # 0: SIGKILL at once.
         if not (value >= 0 if zero_ok else value > 0):  # nan too.
             parser.error(f"--{name}={value:g}: seconds, {'0 or more' if zero_ok else 'more than 0'}")
+    if options.script is None:
+        parser.error("no script to run: give it, and its own arguments, after the launcher's")
     if not os.path.exists(options.script):
         parser.error(f"no script {options.script}")
     return options
