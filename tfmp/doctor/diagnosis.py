@@ -91,10 +91,10 @@ class Diagnosis:
                 lost = f"{'-':>9s}" if dropped is None else f"{dropped:9.1%}"
             else:  # No trainable weight of its own (an RNN's are its cell's, a row of their own).
                 grads, lost = f"{'-':>10s} {'-':>9s} {'-':>9s} {'-':>11s}", f"{'-':>9s}"
-            lines.append(
-                f"{r['name']:{width}s} {r['compute_dtype']:8s} {r['output_max_abs']:10.3g} {grads} "
-                f"{r['bfloat16_relative_error']:8.1%} {lost}{mark}"
-            )
+            out, error = f"{r['output_max_abs']:10.3g}", f"{r['bfloat16_relative_error']:8.1%}"
+            if not r.get("output_floating", True):  # Token ids, a lookup's strings: no float to measure.
+                out, error = f"{'-':>10s}", f"{'-':>8s}"
+            lines.append(f"{r['name']:{width}s} {r['compute_dtype']:8s} {out} {grads} {error} {lost}{mark}")
         lines.append(f"keep in float32: {', '.join(self.keep_float32) or 'none'}")
         lines.append(f"recommended initial loss scale: 2^{int(math.log2(scale))} = {scale:g}")
         if self.bfloat16_sensitive:

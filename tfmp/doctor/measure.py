@@ -207,6 +207,7 @@ def _report(layers, order, dtypes, calls, grad_max, hist, zeros, bf16_error, ste
                 "input_max_abs": calls.input_max[i],
                 "input_overflow": consumer,
                 "output_max_abs": calls.output_max[i],
+                "output_floating": bool(calls.output_floats[i]),
                 "forward_overflow": overflow,
                 "gradient_max_abs": grad_max[i],
                 "gradient_overflow_at_1": grad_overflow,

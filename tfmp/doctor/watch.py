@@ -24,6 +24,7 @@ class Calls:
         self._index = {id(layer): i for i, layer in enumerate(layers)}
         self.input_max = np.zeros(len(layers))
         self.output_max = np.zeros(len(layers))
+        self.output_floats = np.zeros(len(layers), bool)  # Whether a float came out (not only ids, tokens, masks).
         self.casts = [keras_compat.casts_inputs(layer) for layer in layers]  # In the model's own policies.
         self.float8 = set()  # Indices of the layers whose matmul inputs and outputs are kept (see `matmuls`).
         self.matmuls = {}  # Index -> (inputs, outputs) of its last call while recording.
@@ -43,6 +44,7 @@ class Calls:
             if self.casts[i]:
                 self.input_max[i] = max(self.input_max[i], max_abs((args, kwargs)))
             self.output_max[i] = max(self.output_max[i], max_abs(outputs))
+            self.output_floats[i] |= bool(floats(outputs))
             if i in self.float8:
                 self.matmuls[i] = (args[0], outputs)
 
