@@ -43,8 +43,9 @@ class Calls:
         if self.recording:
             if self.casts[i]:
                 self.input_max[i] = max(self.input_max[i], max_abs((args, kwargs)))
-            self.output_max[i] = max(self.output_max[i], max_abs(outputs))
-            self.output_floats[i] |= bool(floats(outputs))
+            values = floats(outputs)  # Once, for both.
+            self.output_max[i] = max(self.output_max[i], max_abs(values))
+            self.output_floats[i] |= bool(values)
             if i in self.float8:
                 self.matmuls[i] = (args[0], outputs)
 
